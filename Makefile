@@ -1,0 +1,29 @@
+# Two commands set everything up on a fresh machine:  make demo  and  make test.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+CKPT   := checkpoints/shapes/best.ckpt
+
+.PHONY: install demo test lint clean
+
+install: $(VENV)/.installed  ## create .venv and install captioner with its dev extra
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: install  ## train on the built-in shapes set, caption held-out images, print val/bleu4
+	$(BIN)/captioner fit --config configs/shapes.yaml --trainer.enable_progress_bar=false
+	$(BIN)/captioner demo --checkpoint $(CKPT)
+
+test: install  ## run the test suite (slow tests excluded: add -m slow to run them)
+	$(BIN)/python -m pytest
+
+lint: install  ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) lightning_logs checkpoints data/shapes data/shapes-debug

@@ -1,0 +1,246 @@
+"""LightningDataModules: shared batching and feature caching, plus the built-in shapes set."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Protocol
+
+import lightning as L
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset
+
+from captioner.data.features import FeatureCache, ImageSource
+from captioner.data.shapes import ShapesDataset
+from captioner.data.vocab import Vocabulary, tokenize
+from captioner.errors import ConfigError
+from captioner.models.encoder import Encoder
+
+
+class CaptionSource(ImageSource, Protocol):
+    """A dataset split: images plus reference captions."""
+
+    def captions(self, index: int) -> list[str]: ...
+
+
+class _Inputs:
+    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W)."""
+
+    def __init__(self, source: CaptionSource, features: np.ndarray | FeatureCache | None, transform):
+        self.source, self.transform = source, transform
+        self.cache = features
+        self.key = "images" if features is None else "annotations"
+
+    def __call__(self, index: int) -> torch.Tensor:
+        if self.cache is None:
+            return self.transform(self.source.load_image(index))
+        if isinstance(self.cache, FeatureCache):  # opened lazily, so that each DataLoader worker maps its own view
+            self.cache = self.cache.load()
+        return torch.from_numpy(np.array(self.cache[index]))  # (P,E) float16
+
+
+class CaptionDataset(Dataset):
+    """Training: one item per (image, caption) pair, or one per image with a random caption each time.
+    Evaluation: one item per image, carrying all its references (each image is decoded once)."""
+
+    def __init__(self, inputs: _Inputs, captions: list[list[list[int]]], references: list[list[list[str]]],
+                 mode: str):  # fmt: skip
+        self.inputs, self.captions, self.references, self.mode = inputs, captions, references, mode
+        self.items = (
+            [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.items) if self.items is not None else len(self.captions)
+
+    def __getitem__(self, index: int) -> dict:
+        if self.items is not None:
+            image, caption = self.items[index]
+        else:
+            image = index
+            caption = random.randrange(len(self.captions[index])) if self.mode == "random" else 0
+        return {
+            "index": image,
+            "input": self.inputs(image),
+            "caption": torch.tensor(self.captions[image][caption]),
+            "references": self.references[image],
+            "key": self.inputs.key,
+        }
+
+
+def collate(items: list[dict]) -> dict:
+    """Stack inputs, pad captions with <pad> (0)."""
+    captions = [item["caption"] for item in items]
+    return {
+        items[0]["key"]: torch.stack([item["input"] for item in items]),
+        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_index),  # (B,T)
+        "lengths": torch.tensor([len(c) for c in captions]),  # (B,)
+        "references": [item["references"] for item in items],
+        "index": torch.tensor([item["index"] for item in items]),
+    }
+
+
+class CaptionDataModule(L.LightningDataModule):
+    """Base class: subclasses say how to make each split (`make_split`); this class builds the vocabulary from the
+    training split, the feature cache (when the model's encoder is frozen) and the loaders.
+
+    The encoder is the model's own: under a Trainer it is taken from the LightningModule in `setup`; without one,
+    pass it to `set_encoder` first.
+
+    Args:
+        data_dir: where the data, its vocabulary and the feature cache live.
+        batch_size: images (or caption pairs) per batch.
+        num_workers: DataLoader workers for image loading (cached features are read in the main process).
+        feature_cache: cache the annotations of a frozen encoder on disk.
+        train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
+        min_word_count: words seen fewer times in the training captions become <unk>.
+        max_vocab_size: largest vocabulary, special tokens included.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        batch_size: int = 64,
+        num_workers: int = 2,
+        feature_cache: bool = True,
+        train_captions: str = "all",
+        min_word_count: int = 1,
+        max_vocab_size: int = 10000,
+    ):
+        super().__init__()
+        if train_captions not in ("all", "random"):
+            raise ConfigError(f"train_captions must be 'all' or 'random', got {train_captions!r}")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        self.data_dir = Path(data_dir)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.feature_cache, self.train_captions = feature_cache, train_captions
+        self.min_word_count, self.max_vocab_size = min_word_count, max_vocab_size
+        self.encoder: Encoder | None = None
+        self.datasets: dict[str, CaptionDataset] = {}
+        self._vocab: Vocabulary | None = None
+        self._splits: dict[str, CaptionSource] = {}
+
+    def make_split(self, split: str) -> CaptionSource:
+        raise NotImplementedError
+
+    def split(self, split: str) -> CaptionSource:
+        if split not in self._splits:
+            self._splits[split] = self.make_split(split)
+        return self._splits[split]
+
+    @property
+    def vocab(self) -> Vocabulary:
+        """Built from the training captions only, and saved beside the data."""
+        if self._vocab is None:
+            train = self.split("train")
+            path = self.data_dir / f"vocab-{train.identity}-min{self.min_word_count}-max{self.max_vocab_size}.json"
+            if path.exists():
+                self._vocab = Vocabulary.load(path)
+            else:
+                captions = (c for i in range(len(train)) for c in train.captions(i))
+                self._vocab = Vocabulary.build(captions, self.min_word_count, self.max_vocab_size)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._vocab.save(path)
+        return self._vocab
+
+    @property
+    def vocab_tokens(self) -> list[str]:
+        """The vocabulary as a plain list, for the model (and so for every checkpoint)."""
+        return self.vocab.to_list()
+
+    def set_encoder(self, encoder: Encoder) -> None:
+        self.encoder = encoder
+
+    def _model_encoder(self) -> Encoder:
+        if self.encoder is None and self.trainer is not None:
+            self.encoder = self.trainer.lightning_module.model.encoder
+        if self.encoder is None:
+            raise RuntimeError("no encoder: run under a Trainer, or call set_encoder(encoder) before setup()")
+        return self.encoder
+
+    def _dataset(self, split: str, mode: str) -> CaptionDataset:
+        source = self.split(split)
+        encoder = self._model_encoder()
+        features = None
+        if self.feature_cache and encoder.frozen:
+            features = FeatureCache(self.data_dir / "features", encoder, source)
+            if not features.exists:
+                device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
+                features.build(self.batch_size, self.num_workers, device)
+        inputs = _Inputs(source, features, encoder.preprocessing.transforms())
+        texts = [source.captions(i) for i in range(len(source))]
+        captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
+        references = [[tokenize(t) for t in caps] for caps in texts]
+        return CaptionDataset(inputs, captions, references, mode)
+
+    def setup(self, stage: str) -> None:
+        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
+        for split in wanted:
+            if split not in self.datasets:
+                self.datasets[split] = self._dataset(split, self.train_captions if split == "train" else "first")
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        workers = 0 if dataset.inputs.key == "annotations" else self.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=collate,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+
+class ShapesDataModule(CaptionDataModule):
+    """The built-in synthetic set (see `captioner.data.shapes`); it needs no download.
+
+    Args:
+        train_size, val_size, test_size: images per split.
+        seed: dataset seed (the same seed gives the same images and captions).
+        image_size: side of the generated images in pixels.
+        cache_images: also keep the drawn images as PNG under data_dir/images.
+        **kwargs: see `CaptionDataModule`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/shapes",
+        train_size: int = 5000,
+        val_size: int = 500,
+        test_size: int = 500,
+        seed: int = 0,
+        image_size: int = 224,
+        cache_images: bool = False,
+        batch_size: int = 64,
+        num_workers: int = 2,
+        feature_cache: bool = True,
+        train_captions: str = "all",
+        min_word_count: int = 1,
+        max_vocab_size: int = 10000,
+    ):
+        super().__init__(data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count,
+                         max_vocab_size)  # fmt: skip
+        self.save_hyperparameters()
+        self.sizes = {"train": train_size, "val": val_size, "test": test_size}
+        self.seed, self.image_size, self.cache_images = seed, image_size, cache_images
+
+    def make_split(self, split: str) -> ShapesDataset:
+        image_dir = str(self.data_dir / "images") if self.cache_images else None
+        return ShapesDataset(split, self.sizes[split], self.seed, self.image_size, image_dir)

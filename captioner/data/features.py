@@ -1,0 +1,108 @@
+"""Frozen-encoder feature cache.
+
+With a frozen encoder the annotations of an image never change, so they are computed once and stored as one
+memory-mapped float16 array (N,P,E). Later epochs, and later runs, read the array instead of running the CNN.
+
+The cache key covers everything the annotations depend on: the encoder's weights, its preprocessing and grid, and
+the exact dataset split. Changing any of them builds a new cache next to the old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from captioner.models.encoder import Encoder
+
+
+class ImageSource(Protocol):
+    """What the cache (and the datamodules) need of a dataset split."""
+
+    identity: str
+
+    def __len__(self) -> int: ...
+
+    def load_image(self, index: int) -> Image.Image: ...
+
+
+def encoder_fingerprint(encoder: Encoder) -> str:
+    """Hash of the encoder's name, preprocessing, grid and every weight and buffer."""
+    digest = hashlib.sha256(f"{encoder.name}|{encoder.preprocessing}|{encoder.grid_hw}".encode())
+    for name, tensor in sorted(encoder.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class _Images(Dataset):
+    def __init__(self, source: ImageSource, transform):
+        self.source, self.transform = source, transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.transform(self.source.load_image(index))
+
+
+class FeatureCache:
+    """The cached annotations of one dataset split under one encoder.
+
+    Args:
+        root: folder holding the caches (one subfolder per key).
+        encoder: the frozen encoder.
+        source: the dataset split.
+    """
+
+    def __init__(self, root: str | Path, encoder: Encoder, source: ImageSource):
+        self.encoder, self.source = encoder, source
+        key = hashlib.sha256(f"{encoder_fingerprint(encoder)}|{source.identity}".encode()).hexdigest()[:16]
+        self.dir = Path(root) / f"{source.identity}-{encoder.name}-{key}"
+        self.path = self.dir / "annotations.npy"
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
+        """Encode every image once and write the (N,P,E) float16 array; written to a temporary file first, so an
+        interrupted build never leaves a cache that looks complete."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        shape = (len(self.source), self.encoder.num_pixels, self.encoder.out_dim)
+        tmp = self.dir / f"annotations.{os.getpid()}.tmp.npy"
+        array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
+        loader = DataLoader(
+            _Images(self.source, self.encoder.preprocessing.transforms()),
+            batch_size=batch_size,
+            num_workers=num_workers,
+        )
+        was_training = self.encoder.training
+        original_device = next(self.encoder.parameters()).device
+        self.encoder.eval().to(device)
+        start = 0
+        try:
+            with torch.inference_mode():
+                for images in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
+                    annotations = self.encoder(images.to(device))  # (B,P,E)
+                    array[start : start + len(images)] = annotations.cpu().numpy().astype(np.float16)
+                    start += len(images)
+        finally:
+            self.encoder.train(was_training).to(original_device)
+        array.flush()
+        del array
+        os.replace(tmp, self.path)
+        meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape)}
+        (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    def load(self) -> np.ndarray:
+        """The cached (N,P,E) float16 array, memory-mapped read-only."""
+        return np.load(self.path, mmap_mode="r")

@@ -1,0 +1,234 @@
+"""The built-in "shapes" caption set: procedurally drawn scenes with COCO-style captions and ground-truth boxes.
+
+Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes) on a noisy background. Every image has
+five captions, one per annotator style, each naming colour, size, shape and spatial relations in its own phrasing.
+For attention checks, every object's box is kept, and every caption word that names an object (its size, colour or
+shape word) is linked to that object.
+
+Everything is a pure function of (seed, split, index): the same seed always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from captioner.errors import ConfigError
+
+SHAPES = ("circle", "square", "triangle", "diamond")
+COLORS = {
+    "red": (215, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (45, 85, 220),
+    "yellow": (235, 205, 35),
+    "purple": (145, 55, 195),
+}
+SIZES = {"small": 44, "large": 80}  # side of the object's box, in pixels of a 224x224 image
+SPLITS = ("train", "val", "test")
+GENERATOR_VERSION = 1  # bump when drawing or captions change, so feature caches are rebuilt
+NUMBERS = ("one", "two", "three")
+
+
+@dataclass(frozen=True)
+class ShapeObject:
+    shape: str
+    color: str
+    size: str
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1 in pixels, x1/y1 exclusive
+
+    @property
+    def center(self) -> tuple[float, float]:
+        x0, y0, x1, y1 = self.box
+        return (x0 + x1) / 2, (y0 + y1) / 2
+
+
+@dataclass
+class Caption:
+    text: str
+    tokens: list[str]
+    objects: list[int]  # for each token, the index of the object it names, or -1
+
+
+@dataclass
+class ShapesSample:
+    image: Image.Image
+    captions: list[Caption]
+    objects: list[ShapeObject]
+
+
+def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+def sample_scene(rng: np.random.Generator, image_size: int = 224, max_tries: int = 200) -> list[ShapeObject]:
+    """1-3 objects, sorted left to right, whose boxes keep a gap and whose pairwise relations are unambiguous."""
+    scale = image_size / 224
+    count = int(rng.integers(1, 4))
+    for _ in range(max_tries):
+        objects = []
+        for _ in range(count):
+            size = str(rng.choice(list(SIZES)))
+            side = round(SIZES[size] * scale)
+            x0, y0 = (int(v) for v in rng.integers(4, image_size - side - 4, size=2))
+            objects.append(ShapeObject(str(rng.choice(SHAPES)), str(rng.choice(list(COLORS))), size,
+                                       (x0, y0, x0 + side, y0 + side)))  # fmt: skip
+        objects.sort(key=lambda o: o.center[0])
+        if _well_separated(objects, gap=8 * scale, margin=16 * scale):
+            return objects
+    raise RuntimeError("could not place the objects; the image is too small")  # unreachable at sane sizes
+
+
+def _well_separated(objects: list[ShapeObject], gap: float, margin: float) -> bool:
+    for i, a in enumerate(objects):
+        for b in objects[i + 1 :]:
+            ax0, ay0, ax1, ay1 = a.box
+            bx0, by0, bx1, by1 = b.box
+            if ax0 < bx1 + gap and bx0 < ax1 + gap and ay0 < by1 + gap and by0 < ay1 + gap:
+                return False
+            dx, dy = abs(b.center[0] - a.center[0]), abs(b.center[1] - a.center[1])
+            if abs(dx - dy) < margin:  # neither clearly beside nor clearly above: "left of" vs "above" is ambiguous
+                return False
+    return True
+
+
+def render(objects: list[ShapeObject], rng: np.random.Generator, image_size: int = 224) -> Image.Image:
+    """Draw the objects, colours slightly jittered, on a grey background with Gaussian noise."""
+    base = rng.integers(90, 160)
+    noise = rng.normal(0, 18, size=(image_size, image_size, 3))
+    image = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(image)
+    for obj in objects:
+        color = tuple(int(np.clip(c + rng.integers(-15, 16), 0, 255)) for c in COLORS[obj.color])
+        x0, y0, x1, y1 = obj.box
+        x1, y1 = x1 - 1, y1 - 1
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        if obj.shape == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=color)
+        elif obj.shape == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=color)
+        elif obj.shape == "triangle":
+            draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=color)
+        else:
+            draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=color)
+    return image
+
+
+# ---- captions -------------------------------------------------------------------------------------------------------
+# A caption is built as (word, object index) pairs, so the link from words to objects is exact.
+
+
+def _noun_phrase(obj: ShapeObject, index: int, with_size: bool = True) -> list[tuple[str, int]]:
+    words = [("a", -1)] + ([(obj.size, index)] if with_size else [])
+    return words + [(obj.color, index), (obj.shape, index)]
+
+
+def _relation(a: ShapeObject, b: ShapeObject) -> list[tuple[str, int]]:
+    """Where a is relative to b."""
+    dx, dy = b.center[0] - a.center[0], b.center[1] - a.center[1]
+    if abs(dx) >= abs(dy):
+        words = ["to", "the", "left" if dx > 0 else "right", "of"]
+    else:
+        words = ["above" if dy > 0 else "below"]
+    return [(w, -1) for w in words]
+
+
+def _where(obj: ShapeObject, image_size: int) -> list[tuple[str, int]]:
+    third = obj.center[0] * 3 // image_size
+    words = ["on", "the", "left"] if third == 0 else ["in", "the", "middle"] if third == 1 else ["on", "the", "right"]
+    return [(w, -1) for w in words]
+
+
+def _chain(objects: list[ShapeObject], order: list[int]) -> list[tuple[str, int]]:
+    """'a X <rel> a Y <rel> a Z', following `order`."""
+    words = _noun_phrase(objects[order[0]], order[0])
+    for prev, cur in zip(order, order[1:], strict=False):
+        words += _relation(objects[prev], objects[cur]) + _noun_phrase(objects[cur], cur)
+    return words
+
+
+def _listing(objects: list[ShapeObject], with_size: bool = True) -> list[tuple[str, int]]:
+    """'a X , a Y and a Z'."""
+    words: list[tuple[str, int]] = []
+    for i, obj in enumerate(objects):
+        if i:
+            words.append(("and", -1) if i == len(objects) - 1 else (",", -1))
+        words += _noun_phrase(obj, i, with_size)
+    return words
+
+
+def describe(objects: list[ShapeObject], image_size: int = 224) -> list[Caption]:
+    """Five captions, one per annotator style. Objects are expected sorted left to right."""
+    n = len(objects)
+    last = n - 1
+    if n == 1:
+        relational = _chain(objects, [0]) + _where(objects[0], image_size)
+        picture = [("a", -1), ("picture", -1), ("of", -1)] + relational
+    else:
+        relational = _chain(objects, list(range(n)))
+        picture = [("a", -1), ("picture", -1), ("of", -1)] + _chain(objects, list(range(last, -1, -1)))
+    counting = [(NUMBERS[last], -1), ("shape" if n == 1 else "shapes", -1), (":", -1)] + _listing(objects)
+    there = [("there", -1), ("is", -1)] + _listing(objects) + [(w, -1) for w in ("on", "a", "gray", "background")]
+    short = _listing(objects, with_size=False)
+    return [_caption(words) for words in (relational, counting, there, short, picture)]
+
+
+def _caption(pairs: list[tuple[str, int]]) -> Caption:
+    text = " ".join(w for w, _ in pairs).replace(" ,", ",").replace(" :", ":")
+    kept = [(w, i) for w, i in pairs if w not in {",", ":"}]  # what tokenize(text) returns
+    return Caption(text, [w for w, _ in kept], [i for _, i in kept])
+
+
+class ShapesDataset:
+    """One split of the shapes set; images are drawn on the fly, or cached as PNG under `image_dir`.
+
+    Args:
+        split: "train", "val" or "test".
+        size: number of images.
+        seed: the dataset seed; splits use disjoint random streams.
+        image_size: side of the square images in pixels.
+        image_dir: if set, each image is written there as PNG the first time it is drawn, and read back later.
+    """
+
+    def __init__(self, split: str, size: int, seed: int = 0, image_size: int = 224, image_dir: str | None = None):
+        if split not in SPLITS:
+            raise ConfigError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        if size < 1:
+            raise ConfigError(f"{split} size must be positive, got {size}")
+        self.split, self.size, self.seed, self.image_size = split, size, seed, image_size
+        self.image_dir = Path(image_dir) if image_dir else None
+
+    @property
+    def identity(self) -> str:
+        """Names exactly what this split contains; part of the feature-cache key."""
+        return f"shapes-v{GENERATOR_VERSION}-{self.split}-n{self.size}-seed{self.seed}-px{self.image_size}"
+
+    def __len__(self) -> int:
+        return self.size
+
+    def objects(self, index: int) -> list[ShapeObject]:
+        return sample_scene(_rng(self.seed, self.split, index), self.image_size)
+
+    def captions(self, index: int) -> list[str]:
+        return [c.text for c in describe(self.objects(index), self.image_size)]
+
+    def load_image(self, index: int) -> Image.Image:
+        path = self.image_dir / f"{self.identity}-{index:06d}.png" if self.image_dir else None
+        if path is not None and path.exists():
+            return Image.open(path).convert("RGB")
+        rng = _rng(self.seed, self.split, index)
+        objects = sample_scene(rng, self.image_size)
+        image = render(objects, rng, self.image_size)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            image.save(path)
+        return image
+
+    def __getitem__(self, index: int) -> ShapesSample:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        objects = self.objects(index)
+        return ShapesSample(self.load_image(index), describe(objects, self.image_size), objects)
+

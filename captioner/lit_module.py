@@ -1,0 +1,191 @@
+"""CaptioningModule: the Lightning wrapper around ShowAttendTell (loss, metrics, optimizers)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from captioner.data.vocab import Vocabulary
+from captioner.errors import ConfigError
+from captioner.metrics import bleu
+from captioner.models.show_attend_tell import ShowAttendTell
+
+LR_SCHEDULES = ("plateau", "cosine", "none")
+
+
+def caption_loss(
+    logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor, alpha_c: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paper's objective (eq. 14), averaged over the batch.
+
+        L = -log P(y | x) + alpha_c * sum_i (1 - sum_t alpha_ti)^2
+
+    Args:
+        logits: (B,T,V) predictions for `targets`.
+        targets: (B,T) word ids, <pad> (0) after each caption's <end>.
+        alphas: (B,T,P) attention weights.
+        alpha_c: lambda, the weight of the doubly stochastic term.
+
+    Returns:
+        loss, the negative log-likelihood per word (for logging), and the doubly stochastic term (unweighted).
+        Padded steps count in none of them, whatever their logits or alphas hold.
+    """
+    mask = targets != Vocabulary.pad_index  # (B,T)
+    B = targets.size(0)
+    nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # over real words only
+    attention_total = (alphas * mask.unsqueeze(-1)).sum(dim=1)  # (B,P): sum_t alpha_ti over real steps
+    doubly_stochastic = ((1.0 - attention_total) ** 2).sum(dim=1).mean()
+    loss = nll / B + alpha_c * doubly_stochastic
+    return loss, nll / mask.sum(), doubly_stochastic
+
+
+class CaptioningModule(L.LightningModule):
+    """Trains and evaluates a ShowAttendTell model.
+
+    Args:
+        vocab: the vocabulary's words in id order (linked from the datamodule; stored in every checkpoint).
+        backbone: encoder backbone, see `captioner.models.encoder.BACKBONES`.
+        pretrained: load the backbone's ImageNet weights.
+        grid_size: pool the feature map to grid_size x grid_size annotations (None: the backbone's native grid).
+        image_size: input side in pixels (None: the backbone's default).
+        fine_tune_blocks: unfreeze the encoder's last N stages (0: frozen, as in the paper).
+        embed_dim: word embedding size M.
+        decoder_dim: LSTM size D.
+        attention_dim: additive attention size A.
+        attention: "additive" (the paper's), "dot" or "general".
+        dropout: dropout before the deep output layer.
+        gate: "scalar" (the paper's beta), "channel" or "none".
+        position_embedding: add learned grid-position embeddings to the annotations (not in the paper).
+        alpha_c: lambda, weight of the doubly stochastic attention term (the paper uses 1).
+        encoder_lr: learning rate of the unfrozen encoder stages.
+        decoder_lr: learning rate of the decoder.
+        weight_decay: Adam weight decay.
+        lr_schedule: "plateau" (reduce on a stalled `lr_monitor`), "cosine" (over max_epochs) or "none".
+        lr_monitor: metric the plateau schedule watches (higher is better).
+        lr_factor: plateau decay factor.
+        lr_patience: plateau patience, in validation epochs.
+        max_caption_len: longest generated caption, in words.
+    """
+
+    def __init__(
+        self,
+        vocab: list[str],
+        backbone: str = "efficientnet_lite0",
+        pretrained: bool = True,
+        grid_size: int | None = None,
+        image_size: int | None = None,
+        fine_tune_blocks: int = 0,
+        embed_dim: int = 512,
+        decoder_dim: int = 512,
+        attention_dim: int = 512,
+        attention: str = "additive",
+        dropout: float = 0.5,
+        gate: str = "scalar",
+        position_embedding: bool = False,
+        alpha_c: float = 1.0,
+        encoder_lr: float = 1e-4,
+        decoder_lr: float = 4e-4,
+        weight_decay: float = 0.0,
+        lr_schedule: str = "plateau",
+        lr_monitor: str = "val/bleu4",
+        lr_factor: float = 0.5,
+        lr_patience: int = 2,
+        max_caption_len: int = 30,
+    ):
+        super().__init__()
+        if alpha_c < 0:
+            raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
+        if encoder_lr <= 0 or decoder_lr <= 0:
+            raise ConfigError(f"learning rates must be positive, got encoder_lr={encoder_lr}, decoder_lr={decoder_lr}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown lr_schedule {lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        self.save_hyperparameters()
+        self.vocab = Vocabulary(vocab)
+        self.model = ShowAttendTell(
+            len(self.vocab),
+            backbone=backbone,
+            pretrained=pretrained,
+            grid_size=grid_size,
+            image_size=image_size,
+            embed_dim=embed_dim,
+            decoder_dim=decoder_dim,
+            attention_dim=attention_dim,
+            attention=attention,
+            dropout=dropout,
+            gate=gate,
+            position_embedding=position_embedding,
+            pad_index=Vocabulary.pad_index,
+            start_index=Vocabulary.start_index,
+            end_index=Vocabulary.end_index,
+        )
+        self.model.encoder.fine_tune(fine_tune_blocks)
+        self._hypotheses: list[list[str]] = []
+        self._references: list[list[list[str]]] = []
+
+    def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
+        captions = batch["captions"]  # (B,T)
+        logits, alphas = self.model(
+            captions, batch["lengths"], images=batch.get("images"), annotations=batch.get("annotations")
+        )  # (B,T',V), (B,T',P) with T' = max length - 1
+        targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T')
+        loss, nll, doubly_stochastic = caption_loss(logits, targets, alphas, self.hparams.alpha_c)
+        B = captions.size(0)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=B)
+        self.log(f"{stage}/nll_per_word", nll, batch_size=B)
+        self.log(f"{stage}/doubly_stochastic", doubly_stochastic, batch_size=B)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._shared_step(batch, "train")
+
+    def _decode_step(self, batch: dict, stage: str) -> None:
+        """Loss on the first reference, then one greedy decode per image, scored later against all references."""
+        self._shared_step(batch, stage)
+        generation = self.model.generate(
+            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
+        )
+        self._hypotheses += [self.vocab.decode_tokens(row) for row in generation.tokens.tolist()]
+        self._references += batch["references"]
+
+    def _decode_epoch_end(self, stage: str) -> None:
+        self.log(f"{stage}/bleu4", bleu(self._hypotheses, self._references, n=4), prog_bar=True)
+        self._hypotheses, self._references = [], []
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._decode_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._decode_epoch_end("val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._decode_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._decode_epoch_end("test")
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        generation = self.model.generate(
+            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
+        )
+        return [
+            {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score)}
+            for i, tokens, score in zip(batch["index"], generation.tokens.tolist(), generation.scores, strict=True)
+        ]
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = [{"params": list(self.model.decoder.parameters()), "lr": hp.decoder_lr}]
+        encoder_params = [p for p in self.model.encoder.parameters() if p.requires_grad]
+        if encoder_params:
+            groups.append({"params": encoder_params, "lr": hp.encoder_lr})
+        optimizer = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
+        if hp.lr_schedule == "none":
+            return optimizer
+        if hp.lr_schedule == "cosine":
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.max_epochs))
+            return {"optimizer": optimizer, "lr_scheduler": scheduler}
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="max", factor=hp.lr_factor, patience=hp.lr_patience
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": hp.lr_monitor}}

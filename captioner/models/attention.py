@@ -1,0 +1,96 @@
+"""Soft attention over annotation vectors (paper §3.1.2, eq. 4-6).
+
+Every scorer has one interface:
+    keys = attention.project(annotations)                       # once per batch: (B,P,E) -> (B,P,K)
+    context, alpha = attention(annotations, keys, h)            # every step:  -> (B,E), (B,P)
+The projection of the annotations does not depend on the step, so it is computed once per batch, not T times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioner.errors import ConfigError
+
+
+class Attention(nn.Module):
+    """Base class: subclasses define `project` (step-independent) and `score` (per step)."""
+
+    def project(self, annotations: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        annotations: torch.Tensor,
+        keys: torch.Tensor,
+        h: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """annotations (B,P,E), keys (B,P,K), h (B,D), mask (B,P) True where valid -> context (B,E), alpha (B,P)."""
+        e = self.score(keys, h)  # (B,P)
+        if mask is not None:
+            e = e.masked_fill(~mask, float("-inf"))
+        alpha = F.softmax(e, dim=1)  # (B,P)
+        context = torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)  # (B,E)
+        return context, alpha
+
+
+class AdditiveAttention(Attention):
+    """Bahdanau scoring, the paper's: e_ti = v . tanh(W a_i + U h_{t-1})."""
+
+    def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
+        super().__init__()
+        self.W = nn.Linear(encoder_dim, attention_dim)
+        self.U = nn.Linear(decoder_dim, attention_dim, bias=False)  # W already carries the bias
+        self.v = nn.Linear(attention_dim, 1)
+
+    def project(self, annotations: torch.Tensor) -> torch.Tensor:
+        return self.W(annotations)  # (B,P,A)
+
+    def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.v(torch.tanh(keys + self.U(h).unsqueeze(1))).squeeze(-1)  # (B,P)
+
+
+class GeneralAttention(Attention):
+    """Luong's general scoring: e_ti = h . (W a_i)."""
+
+    def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int = 0):
+        super().__init__()
+        self.W = nn.Linear(encoder_dim, decoder_dim, bias=False)
+
+    def project(self, annotations: torch.Tensor) -> torch.Tensor:
+        return self.W(annotations)  # (B,P,D)
+
+    def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (B,P)
+
+
+class DotAttention(GeneralAttention):
+    """Luong's dot scoring: e_ti = h . a_i, with no parameters when E == D.
+
+    When the sizes differ, the annotations are first projected to the decoder size by a learned linear map, which
+    makes this the same as general scoring.
+    """
+
+    def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int = 0):
+        super().__init__(encoder_dim, decoder_dim)
+        if encoder_dim == decoder_dim:
+            self.W = nn.Identity()
+
+
+ATTENTIONS: dict[str, type[Attention]] = {
+    "additive": AdditiveAttention,
+    "dot": DotAttention,
+    "general": GeneralAttention,
+}
+
+
+def build_attention(kind: str, encoder_dim: int, decoder_dim: int, attention_dim: int) -> Attention:
+    if kind not in ATTENTIONS:
+        raise ConfigError(f"unknown attention {kind!r}; choose one of {', '.join(ATTENTIONS)}")
+    return ATTENTIONS[kind](encoder_dim, decoder_dim, attention_dim)

@@ -1,0 +1,134 @@
+"""The LSTM decoder with soft attention (paper §3.1.2, §4.2.1).
+
+Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
+    alpha_t   = softmax_i(score(a_i, h_{t-1}))               attention.py
+    beta_t    = sigmoid(f_beta(h_{t-1}))                      the gate, scalar as in the paper (§4.2.1)
+    z_t       = beta_t * sum_i alpha_ti a_i
+    h_t, c_t  = LSTMCell([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
+    logits_t  = L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer (eq. 7)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from captioner.errors import ConfigError
+from captioner.models.attention import build_attention
+
+GATES = ("scalar", "channel", "none")
+
+
+class AttentionDecoder(nn.Module):
+    """Show-Attend-Tell decoder.
+
+    Args:
+        vocab_size: V, including the special tokens.
+        encoder_dim: E, channels of the annotation vectors.
+        embed_dim: M, word embedding size.
+        decoder_dim: D, LSTM hidden size.
+        attention_dim: A, hidden size of the additive scorer.
+        attention: "additive" (the paper's), "dot" or "general".
+        dropout: dropout before the output layer.
+        gate: "scalar" beta (the paper's), "channel" (one beta per annotation channel) or "none".
+        num_pixels: P; needed only with `position_embedding`.
+        position_embedding: add a learned embedding of each grid position to the annotations. Not in the paper: it
+            lets the decoder know *where* it attended, which words like "left of" need. Off by default.
+        pad_index: index of <pad>; its embedding stays zero.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        encoder_dim: int,
+        embed_dim: int = 512,
+        decoder_dim: int = 512,
+        attention_dim: int = 512,
+        attention: str = "additive",
+        dropout: float = 0.5,
+        gate: str = "scalar",
+        num_pixels: int | None = None,
+        position_embedding: bool = False,
+        pad_index: int = 0,
+    ):
+        super().__init__()
+        if gate not in GATES:
+            raise ConfigError(f"unknown gate {gate!r}; choose one of {', '.join(GATES)}")
+        if not 0 <= dropout < 1:
+            raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
+        if position_embedding and not num_pixels:
+            raise ConfigError("position_embedding needs num_pixels")
+        self.vocab_size = vocab_size
+        self.attention = build_attention(attention, encoder_dim, decoder_dim, attention_dim)
+        self.position = nn.Parameter(0.1 * torch.randn(num_pixels, encoder_dim)) if position_embedding else None
+        self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_index)
+        self.init_h = nn.Linear(encoder_dim, decoder_dim)
+        self.init_c = nn.Linear(encoder_dim, decoder_dim)
+        self.f_beta = None if gate == "none" else nn.Linear(decoder_dim, 1 if gate == "scalar" else encoder_dim)
+        self.lstm = nn.LSTMCell(embed_dim + encoder_dim, decoder_dim)
+        self.L_h = nn.Linear(decoder_dim, embed_dim)
+        self.L_z = nn.Linear(encoder_dim, embed_dim)
+        self.L_o = nn.Linear(embed_dim, vocab_size)
+        self.dropout = nn.Dropout(dropout)
+
+    def prepare(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step-independent work, once per batch: (B,P,E) -> annotations (B,P,E), attention keys (B,P,K)."""
+        if self.position is not None:
+            annotations = annotations + self.position  # (B,P,E)
+        return annotations, self.attention.project(annotations)
+
+    def init_state(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h0 = tanh(f_init_h(mean_i a_i)), c0 = tanh(f_init_c(mean_i a_i)) (§3.1.2)."""
+        mean = annotations.mean(dim=1)  # (B,E)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B,D), (B,D)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        annotations: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One word: tokens y_{t-1} (B,), state (B,D)x2 -> logits (B,V), new state, alpha (B,P)."""
+        h, c = state
+        y = self.embedding(tokens)  # (B,M)
+        context, alpha = self.attention(annotations, keys, h)  # (B,E), (B,P)
+        if self.f_beta is not None:
+            context = torch.sigmoid(self.f_beta(h)) * context  # z_t: (B,1 or E) * (B,E)
+        h, c = self.lstm(torch.cat([y, context], dim=1), (h, c))  # (B,D)
+        logits = self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))  # (B,V)
+        return logits, (h, c), alpha
+
+    def forward(
+        self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing.
+
+        Args:
+            annotations: (B,P,E).
+            captions: (B,T) token ids, `<start> w1 ... wn <end>` then padding.
+            lengths: (B,) real length of each caption, <start> and <end> included.
+
+        Returns:
+            logits (B,T-1,V) predicting captions[:, 1:], and alphas (B,T-1,P); both are zero at padded steps, where
+            nothing is computed: the batch is sorted by length and each step runs only the captions still going.
+        """
+        B, P, _ = annotations.shape
+        steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
+        order = steps.argsort(descending=True)
+        steps = steps[order]
+        annotations, keys = self.prepare(annotations[order])
+        h, c = self.init_state(annotations)
+        inputs = captions[order]  # (B,T)
+        T = int(steps[0])
+        logits = annotations.new_zeros(B, T, self.vocab_size)
+        alphas = annotations.new_zeros(B, T, P)
+        running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t - 1)
+        for t in range(T):
+            bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
+            h, c = h[:bt], c[:bt]
+            step_logits, (h, c), alpha = self.step(inputs[:bt, t], (h, c), annotations[:bt], keys[:bt])
+            logits[:bt, t] = step_logits
+            alphas[:bt, t] = alpha
+        inverse = order.argsort()
+        return logits[inverse], alphas[inverse]

