@@ -10,7 +10,10 @@ Mistakes in the user's input (a missing config, an unknown backbone, a negative 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
+import warnings
+import zipfile
 from pathlib import Path
 
 from jsonargparse import ArgumentError
@@ -20,6 +23,9 @@ from lightning.pytorch.cli import LightningCLI
 from captioner.data.datamodules import CaptionDataModule
 from captioner.errors import CaptionerError, ConfigError
 from captioner.lit_module import CaptioningModule
+
+# A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
+warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
 
 
 class CaptionerCLI(LightningCLI):
@@ -85,8 +91,9 @@ def demo(argv: list[str]) -> None:
         generation = module.model.generate(images=images, max_len=module.hparams.max_caption_len)
     for i, tokens in enumerate(generation.tokens.tolist()):
         print(f"test image {i}\n  generated: {module.vocab.decode(tokens)}\n  reference: {test.captions(i)[0]}")
-    trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     print(f"val/bleu4={metrics['val/bleu4']:.3f}")
 
@@ -97,8 +104,11 @@ def load_module(checkpoint: str) -> CaptioningModule:
         raise CaptionerError(f"{checkpoint}: checkpoint not found")
     try:
         return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
+        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
     except (KeyError, RuntimeError, TypeError, ValueError) as err:
-        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint ({type(err).__name__}: {err})") from None
+        detail = (str(err).strip().splitlines() or [""])[0][:100]
+        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint ({type(err).__name__}: {detail})") from None
 
 
 def main(argv: list[str] | None = None) -> None:

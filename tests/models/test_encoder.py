@@ -1,0 +1,94 @@
+import time
+
+import pytest
+import torch
+from skimage import data as skdata
+
+from captioner.errors import ConfigError, WeightsUnavailableError
+from captioner.models.encoder import BACKBONES, Encoder, load_efficientnet_lite0
+
+
+@pytest.mark.parametrize(
+    ("backbone", "channels"),
+    [("efficientnet_lite0", 1280), ("resnet50", 2048), ("resnet101", 2048), ("resnet152", 2048)],
+)
+def test_annotation_shapes_for_every_backbone(backbone, channels):
+    assert backbone in BACKBONES
+    encoder = Encoder(backbone, pretrained=False, image_size=64).eval()
+    with torch.no_grad():
+        a = encoder(torch.randn(2, 3, 64, 64))
+    assert a.shape == (2, 4, channels)  # 64 / 32 = 2x2 grid
+    assert encoder.num_pixels == 4 and encoder.out_dim == channels
+    assert torch.isfinite(a).all()
+
+
+def test_adaptive_pool_to_a_configured_grid():
+    encoder = Encoder("resnet50", pretrained=False, grid_size=3, image_size=128).eval()
+    with torch.no_grad():
+        a = encoder(torch.randn(1, 3, 128, 128))
+    assert a.shape == (1, 9, 2048) and encoder.grid_hw == (3, 3)
+
+
+def test_lite0_native_grid_at_224(lite0):
+    with torch.no_grad():
+        a = lite0.eval()(torch.randn(1, 3, 224, 224))
+    assert a.shape == (1, 49, 1280) and lite0.grid_hw == (7, 7)
+
+
+def test_lite0_weights_are_really_loaded():
+    """ImageNet class 967 is 'espresso'; it must be in the top-5 for scikit-image's coffee photo."""
+    model = load_efficientnet_lite0(pretrained=True).eval()
+    transform = Encoder("efficientnet_lite0").preprocessing.transforms()
+    from PIL import Image
+
+    x = transform(Image.fromarray(skdata.coffee())).unsqueeze(0)
+    with torch.no_grad():
+        top5 = model(x).topk(5).indices[0].tolist()
+    assert 967 in top5
+
+
+def test_encoder_features_match_the_classifier_backbone(lite0):
+    model = load_efficientnet_lite0(pretrained=True).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        expected = model.forward_features(x).flatten(2).transpose(1, 2)
+        assert torch.allclose(lite0.eval()(x), expected, atol=1e-4)
+
+
+def test_frozen_by_default_and_fine_tune_unfreezes_last_stages():
+    encoder = Encoder("resnet50", pretrained=False)
+    assert encoder.frozen
+    encoder.fine_tune(1)
+    trainable = {n.split(".")[1] for n, p in encoder.named_parameters() if p.requires_grad}
+    assert trainable == {"7"}  # features.7 is layer4
+    encoder.fine_tune(0)
+    assert encoder.frozen
+
+
+def test_frozen_batchnorm_stays_in_eval_mode():
+    encoder = Encoder("resnet50", pretrained=False, image_size=64)
+    encoder.fine_tune(1)
+    encoder.train()
+    bns = [m for m in encoder.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    frozen = [m for m in bns if not m.weight.requires_grad]
+    assert frozen and all(not m.training for m in frozen)
+    assert any(m.training for m in bns if m.weight.requires_grad)
+    before = frozen[0].running_mean.clone()
+    encoder(torch.randn(2, 3, 64, 64))
+    assert torch.equal(before, frozen[0].running_mean)
+
+
+def test_unknown_backbone_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown backbone 'vgg99'"):
+        Encoder("vgg99")
+
+
+def test_missing_torchvision_weights_fail_fast_offline(tmp_path, monkeypatch):
+    """An empty torch hub cache and no reachable network: a clear error within seconds, not a hang."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # discard port: connection refused at once
+    start = time.monotonic()
+    with pytest.raises(WeightsUnavailableError, match="pretrained: false"):
+        Encoder("resnet50", pretrained=True)
+    assert time.monotonic() - start < 30

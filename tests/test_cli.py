@@ -1,0 +1,71 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from captioner.cli import main
+from tests.conftest import tiny_fit_args
+
+CONFIGS = sorted(Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_through_the_cli(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["backbone"] in ("efficientnet_lite0", "resnet50", "resnet101", "resnet152")
+    assert printed["checkpoint"]["monitor"].startswith("val/")
+    assert "vocab" not in printed["model"]  # linked from the data at instantiation
+
+
+def test_fast_dev_run_fit_on_cpu(tmp_path):
+    main(["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true")])
+    assert list((tmp_path / "data" / "features").glob("*/annotations.npy"))  # the frozen encoder's cache was built
+
+
+def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(tmp_path, capsys):
+    main(["fit", *tiny_fit_args(tmp_path)])
+    checkpoint = tmp_path / "checkpoints" / "best.ckpt"
+    assert checkpoint.is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    vocab = state["hyper_parameters"]["vocab"]
+    assert vocab[:4] == ["<pad>", "<start>", "<end>", "<unk>"] and "circle" in vocab
+    capsys.readouterr()
+    main(["demo", "--checkpoint", str(checkpoint), "--samples", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.strip().startswith("generated:") for line in lines) == 2
+    assert lines[-1].startswith("val/bleu4=") and 0.0 <= float(lines[-1].split("=")[1]) <= 1.0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "captioner.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--config", "configs/nope.yaml"], "configs/nope.yaml: config file not found"),
+        (["fit", "--config", "configs/debug.yaml", "--model.backbone=vgg99"], "unknown backbone 'vgg99'"),
+        (["fit", "--config", "configs/debug.yaml", "--model.alpha_c=-1"], "alpha_c (lambda) must be >= 0, got -1"),
+        (["demo", "--checkpoint", "missing.ckpt"], "missing.ckpt: checkpoint not found"),
+    ],
+)
+def test_user_mistakes_give_one_line_and_no_traceback(args, message, tmp_path):
+    result = run_cli(*args, *(["--data.init_args.data_dir", str(tmp_path)] if args[0] == "fit" else []))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
+    bogus = tmp_path / "bogus.ckpt"
+    bogus.write_bytes(b"not a checkpoint")
+    result = run_cli("demo", "--checkpoint", str(bogus))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{bogus}: not a captioner checkpoint" in result.stderr
