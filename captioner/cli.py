@@ -1,7 +1,9 @@
-"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict) and `demo`.
+"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict), `caption`, `export`, `demo`.
 
     captioner fit --config configs/shapes.yaml
     captioner demo --checkpoint checkpoints/shapes/best.ckpt
+    captioner caption photos/ --beam-size 3 --overlays overlays/
+    captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
 `error: ...` line on stderr and exit status 2, never a traceback.
@@ -10,6 +12,7 @@ Mistakes in the user's input (a missing config, an unknown backbone, a negative 
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import sys
 import warnings
@@ -26,6 +29,8 @@ from captioner.lit_module import CaptioningModule
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+# Raised inside Lightning by newer torch versions; nothing a user of captioner can act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 class CaptionerCLI(LightningCLI):
@@ -62,7 +67,7 @@ def run_lightning_cli(argv: list[str]) -> None:
         CaptioningModule,
         CaptionDataModule,
         subclass_mode_data=True,
-        args=argv,
+        args=None if argv == sys.argv[1:] else argv,
         parser_kwargs={"exit_on_error": False},
         save_config_kwargs={"overwrite": True},
     )
@@ -111,11 +116,69 @@ def load_module(checkpoint: str) -> CaptioningModule:
         raise CaptionerError(f"{checkpoint}: not a captioner checkpoint ({type(err).__name__}: {detail})") from None
 
 
+def caption(argv: list[str]) -> int:
+    """Caption image files and folders; print `path<TAB>caption` (or JSON lines). Exit status 1 if any file failed."""
+    parser = argparse.ArgumentParser(prog="captioner caption", description=caption.__doc__)
+    parser.add_argument("paths", nargs="+", help="image files, or folders searched recursively for images")
+    parser.add_argument("--checkpoint", default="shapes", help="bundled model name, exported model or .ckpt")
+    parser.add_argument("--beam-size", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
+    parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line: path, caption, tokens, score")
+    args = parser.parse_args(argv)
+    if args.beam_size < 1 or args.batch_size < 1:
+        raise ConfigError("--beam-size and --batch-size must be positive")
+
+    from captioner.api import Captioner
+    from captioner.data.images import ImageError, find_images
+    from captioner.visualize import attention_grid
+
+    captioner = Captioner.load(args.checkpoint)
+    overlays = Path(args.overlays) if args.overlays else None
+    if overlays:
+        overlays.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    results = captioner.iter_captions(find_images(args.paths), args.beam_size, args.batch_size, args.max_len)
+    for index, result in enumerate(results):
+        if isinstance(result, ImageError):
+            print(f"error: {result}", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        if args.json:
+            record = {"path": result.source, "caption": result.text, "tokens": result.tokens, "score": result.score}
+            print(json.dumps(record), flush=True)
+        else:
+            print(f"{result.source}\t{result.text}", flush=True)
+        if overlays:
+            sheet = attention_grid(result.image, result.tokens, result.alphas, result.grid_hw)
+            sheet.save(overlays / f"{index:05d}_{Path(result.source).stem}.png")
+    return 1 if failed else 0
+
+
+def export_model(argv: list[str]) -> None:
+    """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read)."""
+    parser = argparse.ArgumentParser(prog="captioner export", description=export_model.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--include-encoder", action="store_true", help="keep a frozen pretrained encoder's weights")
+    args = parser.parse_args(argv)
+    from captioner.api import export
+
+    path = export(args.checkpoint, args.output, include_encoder=args.include_encoder or None)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv and argv[0] == "demo":
+        command = argv[0] if argv else None
+        if command == "demo":
             demo(argv[1:])
+        elif command == "caption":
+            sys.exit(caption(argv[1:]))
+        elif command == "export":
+            export_model(argv[1:])
         else:
             run_lightning_cli(argv)
     except (CaptionerError, ArgumentError) as err:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
-from captioner.metrics import bleu
+from captioner.metrics import attention_correctness, bleu
 from captioner.models.show_attend_tell import ShowAttendTell
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
@@ -122,6 +122,7 @@ class CaptioningModule(L.LightningModule):
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._hypotheses: list[list[str]] = []
         self._references: list[list[list[str]]] = []
+        self._attention: tuple[list[float], list[float]] = ([], [])  # masses in boxes, uniform baselines
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         captions = batch["captions"]  # (B,T)
@@ -145,12 +146,25 @@ class CaptioningModule(L.LightningModule):
         generation = self.model.generate(
             images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
         )
-        self._hypotheses += [self.vocab.decode_tokens(row) for row in generation.tokens.tolist()]
+        hypotheses = [self.vocab.decode_tokens(row) for row in generation.tokens.tolist()]
+        self._hypotheses += hypotheses
         self._references += batch["references"]
+        for i, objects in enumerate(batch.get("objects") or []):
+            if objects is not None:
+                size = batch["canvas"][i]
+                masses, baselines = attention_correctness(
+                    hypotheses[i], generation.alphas[i], self.model.encoder.grid_hw, objects, (size, size)
+                )
+                self._attention[0].extend(masses)
+                self._attention[1].extend(baselines)
 
     def _decode_epoch_end(self, stage: str) -> None:
         self.log(f"{stage}/bleu4", bleu(self._hypotheses, self._references, n=4), prog_bar=True)
-        self._hypotheses, self._references = [], []
+        masses, baselines = self._attention
+        if masses:  # only datasets with object boxes (shapes)
+            self.log(f"{stage}/attn_correctness", sum(masses) / len(masses))
+            self.log(f"{stage}/attn_uniform_baseline", sum(baselines) / len(baselines))
+        self._hypotheses, self._references, self._attention = [], [], ([], [])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._decode_step(batch, "val")

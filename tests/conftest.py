@@ -31,3 +31,14 @@ def tiny_fit_args(tmp_path, *extra: str) -> list[str]:
         "--data.init_args.num_workers=0",
         *extra,
     ]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A seconds-long debug training run, exported as a model file (path)."""
+    from captioner.api import export
+    from captioner.cli import main
+
+    root = tmp_path_factory.mktemp("tiny_model")
+    main(["fit", *tiny_fit_args(root)])
+    return str(export(root / "checkpoints" / "best.ckpt", root / "tiny.pt"))

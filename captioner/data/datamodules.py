@@ -45,8 +45,16 @@ class CaptionDataset(Dataset):
     """Training: one item per (image, caption) pair, or one per image with a random caption each time.
     Evaluation: one item per image, carrying all its references (each image is decoded once)."""
 
-    def __init__(self, inputs: _Inputs, captions: list[list[list[int]]], references: list[list[list[str]]], mode: str):
+    def __init__(
+        self,
+        inputs: _Inputs,
+        captions: list[list[list[int]]],
+        references: list[list[list[str]]],
+        mode: str,
+        objects: list | None = None,
+    ):
         self.inputs, self.captions, self.references, self.mode = inputs, captions, references, mode
+        self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
         self.items = [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
 
     def __len__(self) -> int:
@@ -63,6 +71,8 @@ class CaptionDataset(Dataset):
             "input": self.inputs(image),
             "caption": torch.tensor(self.captions[image][caption]),
             "references": self.references[image],
+            "objects": self.objects[image] if self.objects is not None else None,
+            "canvas": getattr(self.inputs.source, "image_size", None),
             "key": self.inputs.key,
         }
 
@@ -75,6 +85,8 @@ def collate(items: list[dict]) -> dict:
         "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_index),  # (B,T)
         "lengths": torch.tensor([len(c) for c in captions]),  # (B,)
         "references": [item["references"] for item in items],
+        "objects": [item["objects"] for item in items],
+        "canvas": [item["canvas"] for item in items],
         "index": torch.tensor([item["index"] for item in items]),
     }
 
@@ -171,7 +183,8 @@ class CaptionDataModule(L.LightningDataModule):
         texts = [source.captions(i) for i in range(len(source))]
         captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
         references = [[tokenize(t) for t in caps] for caps in texts]
-        return CaptionDataset(inputs, captions, references, mode)
+        objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
+        return CaptionDataset(inputs, captions, references, mode, objects)
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from captioner.decoding import Generation, greedy_search
+from captioner.decoding import Generation, beam_search, greedy_search
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import Encoder
 
@@ -76,14 +76,18 @@ class ShowAttendTell(nn.Module):
         self,
         images: torch.Tensor | None = None,
         annotations: torch.Tensor | None = None,
+        beam_size: int = 1,
         max_len: int = 30,
+        length_penalty: float = 0.0,
     ) -> Generation:
-        """Greedy decoding; returns tokens (B,T), lengths, scores and the per-word alphas (B,T,P)."""
-        return greedy_search(
-            self.decoder,
-            self.annotate(images, annotations),
-            start_index=self.start_index,
-            end_index=self.end_index,
-            max_len=max_len,
-            pad_index=self.pad_index,
+        """Caption a batch: greedy when beam_size is 1, else batched beam search (see `captioner.decoding`).
+
+        Returns tokens (B,T), lengths (B,), scores (B,) and the per-word alphas (B,T,P).
+        """
+        annotations = self.annotate(images, annotations)
+        special = {"start_index": self.start_index, "end_index": self.end_index, "pad_index": self.pad_index}
+        if beam_size == 1:
+            return greedy_search(self.decoder, annotations, max_len=max_len, **special)
+        return beam_search(
+            self.decoder, annotations, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty, **special
         )

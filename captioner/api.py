@@ -1,0 +1,190 @@
+"""The Python API: load a trained model and caption images.
+
+    from captioner import Captioner
+    c = Captioner.load("shapes")                 # the bundled model, or a path to a checkpoint
+    results = c.caption(["a.jpg", pil_image], beam_size=3)
+    results[0].text, results[0].tokens, results[0].alphas, results[0].score
+
+Loading never unpickles code: checkpoints are read with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import zipfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from captioner.data.images import ImageError, load_image, to_rgb
+from captioner.data.vocab import Vocabulary
+from captioner.errors import CaptionerError
+from captioner.models.show_attend_tell import ShowAttendTell
+
+ASSETS = Path(__file__).parent / "assets"
+BUNDLED = {"shapes": ASSETS / "shapes.pt"}
+EXPORT_FORMAT = "captioner-model/1"
+
+
+@dataclass
+class CaptionResult:
+    """One image's caption. `alphas` has one (P,) attention row per word of `tokens` (<end> excluded)."""
+
+    source: str
+    text: str
+    tokens: list[str]
+    alphas: torch.Tensor  # (len(tokens), P)
+    score: float
+    grid_hw: tuple[int, int]
+    image: Image.Image
+
+
+def _model_kwargs(hparams: dict) -> dict:
+    names = set(inspect.signature(ShowAttendTell).parameters) - {"vocab_size"}
+    return {k: v for k, v in hparams.items() if k in names}
+
+
+def _read(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CaptionerError(f"{path}: checkpoint not found") from None
+    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, IsADirectoryError):
+        raise CaptionerError(f"{path}: not a PyTorch checkpoint file") from None
+
+
+class Captioner:
+    """A ShowAttendTell model with its vocabulary, ready to caption images."""
+
+    def __init__(self, model: ShowAttendTell, vocab: Vocabulary, device: torch.device | str | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.eval().to(self.device)
+        self.vocab = vocab
+        self.transform = model.encoder.preprocessing.transforms()
+
+    @classmethod
+    def load(cls, checkpoint: str | Path = "shapes", device: torch.device | str | None = None) -> Captioner:
+        """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
+        checkpoint (.ckpt)."""
+        path = BUNDLED.get(str(checkpoint), Path(checkpoint))
+        if str(checkpoint) in BUNDLED and not path.exists():
+            raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
+        state = _read(path)
+        if state.get("format") == EXPORT_FORMAT:
+            hparams, vocab, weights = state["hparams"], state["vocab"], state["state_dict"]
+        elif "hyper_parameters" in state and "state_dict" in state:
+            hparams = state["hyper_parameters"]
+            vocab = hparams.get("vocab")
+            weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        else:
+            raise CaptionerError(f"{path}: not a captioner checkpoint (no model weights and hyper-parameters)")
+        if not vocab:
+            raise CaptionerError(f"{path}: not a captioner checkpoint (no vocabulary)")
+        # An exported model may leave out a frozen pretrained encoder: its weights then come from the backbone.
+        # Otherwise the checkpoint has every weight, and nothing needs to be downloaded.
+        encoder_included = any(k.startswith("encoder.") for k in weights)
+        kwargs = _model_kwargs(hparams) | {"pretrained": not encoder_included}
+        model = ShowAttendTell(len(vocab), **kwargs)
+        try:
+            model.load_state_dict(weights, strict=encoder_included)
+        except RuntimeError as err:
+            raise CaptionerError(f"{path}: weights do not fit the model ({str(err).splitlines()[0]})") from None
+        if not encoder_included:
+            missing = set(model.state_dict()) - set(weights)
+            if any(not k.startswith("encoder.") for k in missing):
+                raise CaptionerError(f"{path}: decoder weights are incomplete")
+        return cls(model, Vocabulary(vocab), device)
+
+    def iter_captions(
+        self,
+        images: Iterable[str | Path | Image.Image],
+        beam_size: int = 3,
+        batch_size: int = 16,
+        max_len: int = 30,
+        length_penalty: float = 0.0,
+    ) -> Iterator[CaptionResult | ImageError]:
+        """Caption images in batches, in order, holding only one batch in memory.
+
+        A file that cannot be read yields its ImageError in its place, and the other images are still captioned.
+        """
+        batch: list[tuple[str, Image.Image]] = []
+        for item in images:
+            try:
+                if isinstance(item, Image.Image):
+                    batch.append(("<image>", to_rgb(item)))
+                else:
+                    batch.append((str(item), load_image(item)))
+            except ImageError as err:
+                yield from self._run(batch, beam_size, max_len, length_penalty)
+                batch = []
+                yield err
+                continue
+            if len(batch) == batch_size:
+                yield from self._run(batch, beam_size, max_len, length_penalty)
+                batch = []
+        yield from self._run(batch, beam_size, max_len, length_penalty)
+
+    def caption(
+        self,
+        images: Sequence[str | Path | Image.Image] | str | Path | Image.Image,
+        beam_size: int = 3,
+        batch_size: int = 16,
+        max_len: int = 30,
+        length_penalty: float = 0.0,
+    ) -> list[CaptionResult]:
+        """Caption images (paths or PIL images); raises ImageError naming the first file that cannot be read."""
+        if isinstance(images, (str, Path, Image.Image)):
+            images = [images]
+        results = []
+        for result in self.iter_captions(images, beam_size, batch_size, max_len, length_penalty):
+            if isinstance(result, ImageError):
+                raise result
+            results.append(result)
+        return results
+
+    @torch.inference_mode()
+    def _run(self, batch: list[tuple[str, Image.Image]], beam_size: int, max_len: int, length_penalty: float):
+        if not batch:
+            return
+        x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
+        out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
+        for (source, image), tokens, score, alphas in zip(batch, out.tokens, out.scores, out.alphas, strict=True):
+            words = self.vocab.decode_tokens(tokens.tolist())
+            yield CaptionResult(
+                source=source,
+                text=" ".join(words),
+                tokens=words,
+                alphas=alphas[: len(words)].float().cpu(),
+                score=float(score),
+                grid_hw=self.model.encoder.grid_hw,
+                image=image,
+            )
+
+
+def export(checkpoint: str | Path, output: str | Path, include_encoder: bool | None = None) -> Path:
+    """Write a small self-contained model file from a `captioner fit` checkpoint.
+
+    A frozen, pretrained encoder is left out (its weights come from the backbone's own source), which makes the
+    file a few MB; pass include_encoder=True to keep it.
+    """
+    state = _read(Path(checkpoint))
+    if "hyper_parameters" not in state or "state_dict" not in state:
+        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint")
+    hparams = dict(state["hyper_parameters"])
+    frozen = hparams.get("fine_tune_blocks", 0) == 0 and hparams.get("pretrained", True)
+    keep_encoder = include_encoder if include_encoder is not None else not frozen
+    weights = {
+        k.removeprefix("model."): v
+        for k, v in state["state_dict"].items()
+        if k.startswith("model.") and (keep_encoder or not k.startswith("model.encoder."))
+    }
+    vocab = hparams.pop("vocab")
+    hparams = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": EXPORT_FORMAT, "hparams": hparams, "vocab": vocab, "state_dict": weights}, output)
+    return output

@@ -1,0 +1,73 @@
+"""Reading real-world image files: any mode, EXIF orientation, and clear errors for broken files."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from captioner.errors import CaptionerError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif"}
+
+
+class ImageError(CaptionerError):
+    """An image that cannot be read; the message names the file and the reason."""
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB: respects EXIF orientation, puts transparency on white, rescales 16-bit/float images."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        pixels = np.asarray(image, dtype=np.float64)
+        low, high = pixels.min(), pixels.max()
+        scaled = (pixels - low) / (high - low) * 255 if high > low else np.zeros_like(pixels)
+        return Image.fromarray(scaled.astype(np.uint8), "L").convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open, fully decode and convert an image file to RGB, or raise ImageError("<path>: <reason>").
+
+    PIL's decompression-bomb guard stays on: a header claiming more than twice Image.MAX_IMAGE_PIXELS is refused
+    before any pixel is decoded.
+    """
+    path = Path(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()  # decode now, so a truncated file fails here and not later
+                return to_rgb(image)
+    except FileNotFoundError:
+        reason = "file not found"
+    except IsADirectoryError:
+        reason = "is a directory"
+    except PermissionError:
+        reason = "permission denied"
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        reason = f"refused as a possible decompression bomb ({err})"
+    except UnidentifiedImageError:
+        reason = "empty file" if path.stat().st_size == 0 else "not an image file PIL can read"
+    except (OSError, SyntaxError, ValueError) as err:
+        reason = f"cannot decode image ({err})"
+    raise ImageError(f"{path}: {reason}")
+
+
+def find_images(paths: list[str | Path]) -> list[Path]:
+    """Files as given, and folders searched recursively for files with an image suffix (sorted)."""
+    found = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        else:
+            found.append(p)
+    return found

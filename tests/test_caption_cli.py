@@ -1,0 +1,46 @@
+import json
+import subprocess
+import sys
+
+from PIL import Image
+
+from tests.images import write_bad_files, write_good_images
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "captioner.cli", "caption", *args], capture_output=True, text=True)
+
+
+def test_folder_with_good_and_broken_files(tiny_model, tmp_path):
+    good = write_good_images(tmp_path / "photos")
+    bad = write_bad_files(tmp_path / "photos" / "broken")
+    result = run(str(tmp_path / "photos"), "--checkpoint", tiny_model, "--batch-size", "4", "--beam-size", "2")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    captioned = dict(line.split("\t") for line in result.stdout.splitlines())
+    assert sorted(captioned) == sorted(map(str, good))
+    assert all(caption.strip() for caption in captioned.values())
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == len(bad)
+    for path, reason in bad.items():
+        assert any(f"error: {path}: " in line and reason in line for line in errors), (path, errors)
+
+
+def test_all_good_files_exit_zero_with_json_and_overlays(tiny_model, tmp_path):
+    image = tmp_path / "one.png"
+    write_good_images(tmp_path / "x")[0].rename(image)
+    result = run(str(image), "--checkpoint", tiny_model, "--json", "--overlays", str(tmp_path / "overlays"))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip())
+    assert set(record) == {"path", "caption", "tokens", "score"} and record["path"] == str(image)
+    assert record["caption"] == " ".join(record["tokens"])
+    (sheet,) = (tmp_path / "overlays").glob("*.png")
+    tiles = 1 + len(record["tokens"])  # the image, then one tile per word
+    width, height = Image.open(sheet).size
+    assert width == 5 * 192 and height == -(-tiles // 5) * (192 + 22)
+
+
+def test_missing_path_is_reported_and_fails(tiny_model, tmp_path):
+    result = run(str(tmp_path / "missing.jpg"), "--checkpoint", tiny_model)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jpg'}: file not found"

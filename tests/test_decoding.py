@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from captioner.decoding import beam_search, greedy_search
+from captioner.models.decoder import AttentionDecoder
+
+PAD, START, END, A, B, C = range(6)
+SPECIAL = {"start_index": START, "end_index": END, "pad_index": PAD}
+
+
+class TableDecoder:
+    """Next-word probabilities depend only on the previous word, read from a (V,V) table of probabilities."""
+
+    def __init__(self, probs: dict[int, dict[int, float]], vocab_size: int = 6):
+        self.logits = torch.full((vocab_size, vocab_size), -1e4)
+        for prev, row in probs.items():
+            for word, p in row.items():
+                self.logits[prev, word] = math.log(p)
+
+    def prepare(self, annotations):
+        return annotations, annotations
+
+    def init_state(self, annotations):
+        zeros = annotations.new_zeros(annotations.size(0), 1)
+        return zeros, zeros
+
+    def step(self, tokens, state, annotations, keys):
+        P = annotations.size(1)
+        return self.logits[tokens], state, annotations.new_full((tokens.size(0), P), 1.0 / P)
+
+
+# Greedy takes A (0.55) and then can only end with 0.34: p = 0.187.
+# Starting with B (0.45) ends with 0.9: p = 0.405, which a beam of 2 finds.
+TRAP = {START: {A: 0.55, B: 0.45}, A: {END: 0.34, B: 0.33, C: 0.33}, B: {END: 0.9, C: 0.1}, C: {END: 1.0}}
+
+
+def test_beam_finds_a_better_caption_than_greedy():
+    decoder, annotations = TableDecoder(TRAP), torch.zeros(1, 4, 2)
+    greedy = greedy_search(decoder, annotations, **SPECIAL)
+    beam = beam_search(decoder, annotations, beam_size=2, **SPECIAL)
+    assert greedy.tokens[0, :2].tolist() == [A, END]
+    assert beam.tokens[0, :2].tolist() == [B, END]
+    assert beam.scores[0].item() == pytest.approx(math.log(0.45 * 0.9), abs=1e-4)
+    assert greedy.scores[0].item() == pytest.approx(math.log(0.55 * 0.34), abs=1e-4)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_no_hypothesis_ends_returns_the_best_unfinished_one(beam_size):
+    never_ends = {w: {A: 0.5, B: 0.3, C: 0.2} for w in (START, A, B, C)}
+    generation = beam_search(TableDecoder(never_ends), torch.zeros(2, 4, 2), beam_size=beam_size, max_len=5, **SPECIAL)
+    assert generation.tokens.tolist() == [[A] * 5, [A] * 5]
+    assert generation.lengths.tolist() == [5, 5]
+    assert generation.alphas.shape == (2, 5, 4)
+
+
+def random_decoder() -> AttentionDecoder:
+    torch.manual_seed(0)
+    return AttentionDecoder(30, 16, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0).eval()
+
+
+def test_beam_size_one_is_exactly_greedy():
+    decoder, annotations = random_decoder(), torch.randn(5, 9, 16)
+    with torch.inference_mode():
+        greedy = greedy_search(decoder, annotations, max_len=12, **SPECIAL)
+        beam = beam_search(decoder, annotations, beam_size=1, max_len=12, **SPECIAL)
+    assert torch.equal(greedy.tokens, beam.tokens)
+    assert torch.equal(greedy.lengths, beam.lengths)
+    assert torch.allclose(greedy.scores, beam.scores, atol=1e-5)
+    assert torch.allclose(greedy.alphas, beam.alphas, atol=1e-6)
+
+
+def test_batched_beam_search_equals_one_image_at_a_time():
+    decoder, annotations = random_decoder(), torch.randn(4, 9, 16)
+    with torch.inference_mode():
+        batched = beam_search(decoder, annotations, beam_size=3, max_len=12, length_penalty=0.7, **SPECIAL)
+        for i in range(4):
+            alone = beam_search(decoder, annotations[i : i + 1], beam_size=3, max_len=12, length_penalty=0.7, **SPECIAL)
+            n = int(alone.lengths[0])
+            assert int(batched.lengths[i]) == n
+            assert torch.equal(batched.tokens[i, :n], alone.tokens[0, :n])
+            assert torch.allclose(batched.scores[i], alone.scores[0], atol=1e-5)
+            assert torch.allclose(batched.alphas[i, :n], alone.alphas[0, :n], atol=1e-6)
+
+
+def test_generation_never_emits_pad_or_start_and_alphas_are_distributions():
+    decoder, annotations = random_decoder(), torch.randn(3, 9, 16)
+    with torch.inference_mode():
+        out = beam_search(decoder, annotations, beam_size=4, max_len=8, **SPECIAL)
+    for row, n in zip(out.tokens, out.lengths, strict=True):
+        assert n >= 1 and PAD not in row[:n].tolist() and START not in row[:n].tolist()
+        assert (row[n:] == PAD).all()
+    real = torch.arange(out.tokens.size(1)).unsqueeze(0) < out.lengths.unsqueeze(1)  # (B,T)
+    assert torch.allclose(out.alphas.sum(-1)[real], torch.ones(int(real.sum())), atol=1e-5)
+    assert (out.alphas.sum(-1)[~real] == 0).all()

@@ -1,0 +1,62 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.visualize import attention_grid, attention_map, overlay_attention, plot_attention
+from tests.images import photo
+
+
+def count_tiles(sheet: Image.Image, tile: int = 192, title: int = 22, columns: int = 5) -> int:
+    """Slots of the sheet whose picture area is not blank white."""
+    pixels = np.asarray(sheet)
+    rows = sheet.size[1] // (tile + title)
+    filled = 0
+    for k in range(rows * columns):
+        x, y = (k % columns) * tile, (k // columns) * (tile + title) + title
+        filled += bool((pixels[y : y + tile, x : x + tile] < 250).any())
+    return filled
+
+
+def test_map_is_smooth_normalised_and_peaks_where_attention_is():
+    alpha = torch.zeros(9)
+    alpha[2] = 1.0  # top-right cell of a 3x3 grid
+    heat = attention_map(alpha, (3, 3), (90, 60))
+    assert heat.shape == (60, 90) and heat.min() >= 0 and heat.sum() == pytest.approx(1.0)
+    y, x = np.unravel_index(heat.argmax(), heat.shape)
+    assert x >= 60 and y < 20
+    assert len(np.unique(heat.round(8))) > 20  # interpolated, not blocky
+
+
+def test_overlay_dims_where_attention_is_low():
+    image = Image.new("RGB", (64, 64), (200, 200, 200))
+    alpha = torch.tensor([1.0, 0.0, 0.0, 0.0])  # top-left of 2x2
+    out = np.asarray(overlay_attention(image, alpha, (2, 2)))
+    assert out.shape == (64, 64, 3)
+    assert out[5, 5].mean() > 150 and out[58, 58].mean() < 60
+
+
+@pytest.mark.parametrize("n_words", [1, 4, 7])
+def test_grid_has_one_tile_per_word_plus_the_image(n_words):
+    alphas = torch.softmax(torch.randn(n_words, 49), dim=-1)
+    sheet = attention_grid(photo("chelsea"), [f"w{i}" for i in range(n_words)], alphas, (7, 7))
+    assert count_tiles(sheet) == n_words + 1
+
+
+def test_plot_attention_returns_a_figure_with_titled_panels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    words = ["a", "cat", "sleeping"]
+    figure = plot_attention(photo("chelsea"), words, torch.softmax(torch.randn(3, 49), -1))
+    titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+    assert titles == words
+
+
+def test_visualize_module_does_not_import_matplotlib():
+    code = "import sys, captioner.visualize; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
