@@ -47,7 +47,9 @@ def write_good_images(folder: Path) -> list[Path]:
         image.save(path)
         paths.append(path)
     sixteen = folder / "sixteen_bit.png"
-    Image.fromarray((np.asarray(rgb.convert("L"), dtype=np.uint16) * 257), mode="I;16").save(sixteen)
+    sixteen_bit = Image.fromarray(np.asarray(rgb.convert("L"), dtype=np.uint16) * 257)
+    assert sixteen_bit.mode == "I;16"
+    sixteen_bit.save(sixteen)
     rotated = folder / "exif_rotated.jpg"
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display

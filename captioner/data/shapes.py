@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -33,8 +34,7 @@ GENERATOR_VERSION = 1  # bump when drawing or captions change, so feature caches
 NUMBERS = ("one", "two", "three")
 
 
-@dataclass(frozen=True)
-class ShapeObject:
+class ShapeObject(NamedTuple):
     shape: str
     color: str
     size: str

@@ -71,15 +71,23 @@ class AttentionDecoder(nn.Module):
         self.L_o = nn.Linear(embed_dim, vocab_size)
         self.dropout = nn.Dropout(dropout)
 
+    # The position embedding p is added to the annotations: a'_i = a_i + p_i. Everything downstream is linear in a'
+    # (the key projection is affine, the context and the mean are weighted sums), so p is applied to each of them
+    # separately. The result is the same, and the big (B,P,E) annotations never enter the autograd graph.
+
     def prepare(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Step-independent work, once per batch: (B,P,E) -> annotations (B,P,E), attention keys (B,P,K)."""
+        keys = self.attention.project(annotations)  # (B,P,K)
         if self.position is not None:
-            annotations = annotations + self.position  # (B,P,E)
-        return annotations, self.attention.project(annotations)
+            project = self.attention.project
+            keys = keys + project(self.position) - project(torch.zeros_like(self.position[:1]))  # + W p_i: (P,K)
+        return annotations, keys
 
     def init_state(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h0 = tanh(f_init_h(mean_i a_i)), c0 = tanh(f_init_c(mean_i a_i)) (§3.1.2)."""
         mean = annotations.mean(dim=1)  # (B,E)
+        if self.position is not None:
+            mean = mean + self.position.mean(dim=0)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B,D), (B,D)
 
     def step(
@@ -93,6 +101,8 @@ class AttentionDecoder(nn.Module):
         h, c = state
         y = self.embedding(tokens)  # (B,M)
         context, alpha = self.attention(annotations, keys, h)  # (B,E), (B,P)
+        if self.position is not None:
+            context = context + alpha @ self.position  # sum_i alpha_i (a_i + p_i): (B,P) @ (P,E)
         if self.f_beta is not None:
             context = torch.sigmoid(self.f_beta(h)) * context  # z_t: (B,1 or E) * (B,E)
         h, c = self.lstm(torch.cat([y, context], dim=1), (h, c))  # (B,D)
@@ -126,8 +136,9 @@ class AttentionDecoder(nn.Module):
         running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t - 1)
         for t in range(T):
             bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
-            h, c = h[:bt], c[:bt]
-            step_logits, (h, c), alpha = self.step(inputs[:bt, t], (h, c), annotations[:bt], keys[:bt])
+            if bt < h.size(0):  # shrink only when a caption ends: each slice costs a full-size zero-fill in backward
+                h, c, annotations, keys = h[:bt], c[:bt], annotations[:bt], keys[:bt]
+            step_logits, (h, c), alpha = self.step(inputs[:bt, t], (h, c), annotations, keys)
             logits[:bt, t] = step_logits
             alphas[:bt, t] = alpha
         inverse = order.argsort()
