@@ -1,0 +1,43 @@
+"""Shared helpers for the benchmark scripts: model sizes, timing, and the RESULT line."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+# name -> (P, E, D, A, M, V): grid positions, encoder channels, LSTM, attention, embedding and vocabulary sizes.
+SIZES = {
+    "shapes": (49, 1280, 256, 256, 128, 32),  # configs/shapes.yaml: lite0 7x7, its decoder sizes, its vocabulary
+    "paper": (196, 2048, 512, 512, 512, 10000),  # ResNet 14x14 grid, the paper's decoder and vocabulary sizes
+}
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
+    lines = [" | ".join(k.ljust(widths[k]) for k in keys), "-|-".join("-" * widths[k] for k in keys)]
+    lines += [" | ".join(str(r[k]).ljust(widths[k]) for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def result(**values) -> str:
+    return "RESULT " + " ".join(f"{k}={v}" for k, v in values.items())
