@@ -16,7 +16,8 @@ SIZES = {
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

@@ -24,7 +24,6 @@ class NaiveDecoder(AttentionDecoder):
     """The tutorials' loop: W a recomputed at every step, every caption run to the longest length."""
 
     def forward(self, annotations, captions, lengths):
-        B, P, _ = annotations.shape
         h, c = self.init_state(annotations)
         T = int(lengths.max()) - 1
         logits, alphas = [], []
