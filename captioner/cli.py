@@ -1,8 +1,10 @@
-"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict), `caption`, `export`, `demo`.
+"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict), plus caption, evaluate, export
+and demo.
 
     captioner fit --config configs/shapes.yaml
     captioner demo --checkpoint checkpoints/shapes/best.ckpt
     captioner caption photos/ --beam-size 3 --overlays overlays/
+    captioner evaluate --config configs/coco_lite0.yaml --checkpoint checkpoints/coco_lite0/best.ckpt
     captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
@@ -108,7 +110,8 @@ def load_module(checkpoint: str) -> CaptioningModule:
     if not Path(checkpoint).is_file():
         raise CaptionerError(f"{checkpoint}: checkpoint not found")
     try:
-        return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu")
+        # Every weight is in the checkpoint: don't fetch pretrained backbone weights only to overwrite them.
+        return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu", pretrained=False)
     except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
         raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
     except (KeyError, RuntimeError, TypeError, ValueError) as err:
@@ -156,6 +159,61 @@ def caption(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def evaluate(argv: list[str]) -> None:
+    """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap)."""
+    parser = argparse.ArgumentParser(prog="captioner evaluate", description=evaluate.__doc__)
+    parser.add_argument("--config", required=True, help="the YAML whose `data` section names the dataset")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
+    parser.add_argument("--split", choices=("val", "test"), default="test")
+    parser.add_argument("--beam-size", type=int, default=3)
+    parser.add_argument("--max-len", type=int, default=30)
+    parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
+    args = parser.parse_args(argv)
+    _check_config_paths(["--config", args.config])
+
+    import torch
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from captioner.metrics import coco_caption_scores
+
+    data_parser = ArgumentParser(exit_on_error=False)
+    data_parser.add_subclass_arguments(CaptionDataModule, "data")
+    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    if "data" not in config:
+        raise ConfigError(f"{args.config}: no data section")
+    datamodule = data_parser.instantiate_classes(data_parser.parse_object({"data": config["data"]})).data
+    module = load_module(args.checkpoint).eval()
+    module.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    datamodule.set_encoder(module.model.encoder)
+    datamodule.setup("test" if args.split == "test" else "validate")
+    source = datamodule.split(args.split)
+    loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
+    hypotheses, references = {}, {}
+    with torch.inference_mode():
+        for batch in loader:
+            if batch is None:
+                continue
+            inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
+            generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
+            for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
+                image_id = source.image_id(index) if hasattr(source, "image_id") else index
+                hypotheses[image_id] = module.vocab.decode(tokens)
+                references[image_id] = source.captions(index)
+    scores = coco_caption_scores(hypotheses, references)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "metrics.json").write_text(json.dumps(scores, indent=1))
+    results = [{"image_id": k, "caption": v} for k, v in hypotheses.items()]
+    (output / "captions.json").write_text(json.dumps(results, indent=1))
+    for name, value in scores.items():
+        print(f"{name}={value:.4f}")
+    if "METEOR" not in scores:
+        print("METEOR: skipped (needs Java)")
+    print("SPICE: skipped (it downloads Stanford CoreNLP at run time)")
+    print(f"wrote {output / 'metrics.json'} and {output / 'captions.json'} ({len(hypotheses)} images)")
+
+
 def export_model(argv: list[str]) -> None:
     """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read)."""
     parser = argparse.ArgumentParser(prog="captioner export", description=export_model.__doc__)
@@ -177,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             demo(argv[1:])
         elif command == "caption":
             sys.exit(caption(argv[1:]))
+        elif command == "evaluate":
+            evaluate(argv[1:])
         elif command == "export":
             export_model(argv[1:])
         else:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
-from captioner.metrics import attention_correctness, bleu
+from captioner.metrics import attention_correctness, bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
@@ -137,11 +137,15 @@ class CaptioningModule(L.LightningModule):
         self.log(f"{stage}/doubly_stochastic", doubly_stochastic, batch_size=B)
         return loss
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor | None:
+        if batch is None:  # every image of the batch was unreadable (each was reported); skip the step
+            return None
         return self._shared_step(batch, "train")
 
     def _decode_step(self, batch: dict, stage: str) -> None:
         """Loss on the first reference, then one greedy decode per image, scored later against all references."""
+        if batch is None:
+            return
         self._shared_step(batch, stage)
         generation = self.model.generate(
             images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
@@ -160,6 +164,7 @@ class CaptioningModule(L.LightningModule):
 
     def _decode_epoch_end(self, stage: str) -> None:
         self.log(f"{stage}/bleu4", bleu(self._hypotheses, self._references, n=4), prog_bar=True)
+        self.log(f"{stage}/cider", cider(self._hypotheses, self._references))
         masses, baselines = self._attention
         if masses:  # only datasets with object boxes (shapes)
             self.log(f"{stage}/attn_correctness", sum(masses) / len(masses))

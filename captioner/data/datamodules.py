@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -12,11 +14,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
+from captioner.data.coco import CaptionSet, clean, read_coco, read_custom, read_karpathy
 from captioner.data.features import FeatureCache, ImageSource
+from captioner.data.images import ImageError
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.errors import ConfigError
 from captioner.models.encoder import Encoder
+
+log = logging.getLogger(__name__)
 
 
 class CaptionSource(ImageSource, Protocol):
@@ -26,16 +32,27 @@ class CaptionSource(ImageSource, Protocol):
 
 
 class _Inputs:
-    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W)."""
+    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W).
 
-    def __init__(self, source: CaptionSource, features: np.ndarray | FeatureCache | None, transform):
+    An image that cannot be read gives None (the batch goes on without it) and one warning naming the file.
+    """
+
+    def __init__(self, source: CaptionSource, features: FeatureCache | None, transform):
         self.source, self.transform = source, transform
-        self.cache = features
+        self.cache: FeatureCache | np.ndarray | None = features
+        self.bad = features.bad_indices() if features is not None else set()
         self.key = "images" if features is None else "annotations"
 
-    def __call__(self, index: int) -> torch.Tensor:
+    def __call__(self, index: int) -> torch.Tensor | None:
+        if index in self.bad:
+            return None
         if self.cache is None:
-            return self.transform(self.source.load_image(index))
+            try:
+                return self.transform(self.source.load_image(index))
+            except ImageError as err:
+                log.warning("skipping %s", err)
+                self.bad.add(index)
+                return None
         if isinstance(self.cache, FeatureCache):  # opened lazily, so that each DataLoader worker maps its own view
             self.cache = self.cache.load()
         return torch.from_numpy(np.array(self.cache[index]))  # (P,E) float16
@@ -60,15 +77,18 @@ class CaptionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items) if self.items is not None else len(self.captions)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict | None:
         if self.items is not None:
             image, caption = self.items[index]
         else:
             image = index
             caption = random.randrange(len(self.captions[index])) if self.mode == "random" else 0
+        inputs = self.inputs(image)
+        if inputs is None:
+            return None
         return {
             "index": image,
-            "input": self.inputs(image),
+            "input": inputs,
             "caption": torch.tensor(self.captions[image][caption]),
             "references": self.references[image],
             "objects": self.objects[image] if self.objects is not None else None,
@@ -77,8 +97,11 @@ class CaptionDataset(Dataset):
         }
 
 
-def collate(items: list[dict]) -> dict:
-    """Stack inputs, pad captions with <pad> (0)."""
+def collate(items: list[dict | None]) -> dict | None:
+    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out."""
+    items = [item for item in items if item is not None]
+    if not items:
+        return None
     captions = [item["caption"] for item in items]
     return {
         items[0]["key"]: torch.stack([item["input"] for item in items]),
@@ -255,3 +278,85 @@ class ShapesDataModule(CaptionDataModule):
     def make_split(self, split: str) -> ShapesDataset:
         image_dir = str(self.data_dir / "images") if self.cache_images else None
         return ShapesDataset(split, self.sizes[split], self.seed, self.canvas_size, image_dir)
+
+
+class CocoDataModule(CaptionDataModule):
+    """Real captions: official COCO, Karpathy splits (COCO, Flickr8k, Flickr30k) or a custom folder.
+
+    Layout under `data_dir` (see data/README.md):
+        coco:      annotations/captions_{train,val}<year>.json and images in {train,val}<year>/.
+                   The official test set has no public captions: val and test both use the val annotations.
+        karpathy:  <split_file> (e.g. dataset_coco.json) and images under <image_root>/<filepath>/<filename>.
+        custom:    <captions_file> (JSONL or CSV) and images under <image_dir>/; images are split into
+                   train/val/test by a hash of their path (val_fraction, test_fraction).
+
+    Args:
+        data_dir: the dataset folder.
+        format: "coco", "karpathy" or "custom".
+        year: official COCO release, 2014 or 2017.
+        split_file: Karpathy split JSON, relative to data_dir.
+        image_root: Karpathy image folder, relative to data_dir.
+        captions_file: custom captions file (.jsonl or .csv), relative to data_dir.
+        image_dir: custom image folder, relative to data_dir.
+        val_fraction, test_fraction: custom format only.
+        max_caption_len: longer captions are skipped (counted in the summary line).
+        download: let prepare_data download what is missing (COCO images and annotations, Karpathy splits).
+        urls: name -> URL overrides for the downloads (a mirror), see `captioner.data.download.COCO_URLS`.
+        **kwargs: see `CaptionDataModule`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/coco",
+        format: str = "karpathy",
+        year: int = 2014,
+        split_file: str = "dataset_coco.json",
+        image_root: str = ".",
+        captions_file: str = "captions.jsonl",
+        image_dir: str = "images",
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        max_caption_len: int = 50,
+        download: bool = False,
+        urls: dict[str, str] | None = None,
+        batch_size: int = 64,
+        num_workers: int = 2,
+        feature_cache: bool = True,
+        train_captions: str = "all",
+        min_word_count: int = 5,
+        max_vocab_size: int = 10000,
+    ):
+        super().__init__(data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count,
+                         max_vocab_size)  # fmt: skip
+        if format not in ("coco", "karpathy", "custom"):
+            raise ConfigError(f"unknown dataset format {format!r}; choose coco, karpathy or custom")
+        self.save_hyperparameters()
+        self.format, self.year, self.split_file, self.image_root = format, year, split_file, image_root
+        self.captions_file, self.image_dir = captions_file, image_dir
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.max_caption_len, self.download, self.urls = max_caption_len, download, urls or {}
+
+    def prepare_data(self) -> None:
+        """Download what is missing (only with download: true); writes to disk, builds nothing in memory."""
+        if not self.download:
+            return
+        from captioner.data.download import prepare_coco
+
+        prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls)
+
+    def make_split(self, split: str) -> CaptionSet:
+        root = self.data_dir
+        if self.format == "coco":
+            part = "train" if split == "train" else "val"
+            records = read_coco(root / "annotations" / f"captions_{part}{self.year}.json", root / f"{part}{self.year}")
+        elif self.format == "karpathy":
+            records = read_karpathy(root / self.split_file, root / self.image_root, split)
+        else:
+            records = [r for r in read_custom(root / self.captions_file, root / self.image_dir)
+                       if self._custom_split(str(r.image_id)) == split]  # fmt: skip
+        name = f"{root.name}-{self.format}-{split}"
+        return CaptionSet(name, clean(records, self.max_caption_len, name))
+
+    def _custom_split(self, image: str) -> str:
+        u = zlib.crc32(image.encode()) / 2**32  # stable across runs and machines
+        return "test" if u < self.test_fraction else "val" if u < self.test_fraction + self.val_fraction else "train"

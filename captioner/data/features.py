@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Protocol
@@ -21,7 +22,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner.data.images import ImageError
 from captioner.models.encoder import Encoder
+
+log = logging.getLogger(__name__)
 
 
 class ImageSource(Protocol):
@@ -50,8 +54,18 @@ class _Images(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.transform(self.source.load_image(index))
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, bool]:
+        try:
+            return self.transform(self.source.load_image(index)), True
+        except ImageError as err:
+            log.warning("skipping %s", err)
+            return None, False
+
+
+def _stack(items: list[tuple[torch.Tensor | None, bool]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    ok = torch.tensor([good for _, good in items])
+    images = [image for image, good in items if good]
+    return (torch.stack(images) if images else None), ok
 
 
 class FeatureCache:
@@ -84,24 +98,33 @@ class FeatureCache:
             _Images(self.source, self.encoder.preprocessing.transforms()),
             batch_size=batch_size,
             num_workers=num_workers,
+            collate_fn=_stack,
         )
         was_training = self.encoder.training
         original_device = next(self.encoder.parameters()).device
         self.encoder.eval().to(device)
-        start = 0
+        start, bad = 0, []
         try:
             with torch.inference_mode():
-                for images in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
-                    annotations = self.encoder(images.to(device))  # (B,P,E)
-                    array[start : start + len(images)] = annotations.cpu().numpy().astype(np.float16)
-                    start += len(images)
+                for images, ok in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
+                    rows = np.arange(start, start + len(ok))
+                    bad += rows[~ok.numpy()].tolist()  # unreadable images: their rows stay zero, marked bad
+                    if images is not None:
+                        annotations = self.encoder(images.to(device))  # (B',P,E)
+                        array[rows[ok.numpy()]] = annotations.cpu().numpy().astype(np.float16)
+                    start += len(ok)
         finally:
             self.encoder.train(was_training).to(original_device)
         array.flush()
         del array
-        os.replace(tmp, self.path)
-        meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape)}
+        meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
         (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
+
+    def bad_indices(self) -> set[int]:
+        """Images that could not be read when the cache was built."""
+        meta = self.dir / "meta.json"
+        return set(json.loads(meta.read_text()).get("bad", [])) if meta.exists() else set()
 
     def load(self) -> np.ndarray:
         """The cached (N,P,E) float16 array, memory-mapped read-only."""

@@ -1,0 +1,140 @@
+"""Real caption datasets: official COCO captions (pycocotools), Karpathy splits (COCO, Flickr8k, Flickr30k) and a
+custom image folder with a JSONL or CSV captions file.
+
+Every reader returns `Record`s; `CaptionSet` holds one split of them and is what the datamodule and the feature cache
+use. Bad annotations (missing image file, empty caption, caption longer than the maximum) are counted, reported once
+in one summary line, and skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from captioner.data.images import load_image
+from captioner.data.vocab import tokenize
+from captioner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    image: Path
+    captions: list[str]
+    image_id: int | str = field(default=0)
+
+
+def read_coco(annotation_file: str | Path, image_dir: str | Path) -> list[Record]:
+    """Official COCO captions (`annotations/captions_{train,val}{2014,2017}.json`) read with pycocotools."""
+    from pycocotools.coco import COCO
+
+    annotation_file = Path(annotation_file)
+    if not annotation_file.is_file():
+        raise ConfigError(f"{annotation_file}: annotation file not found")
+    coco = COCO(str(annotation_file))
+    records = []
+    for image_id in sorted(coco.getImgIds()):
+        info = coco.loadImgs(image_id)[0]
+        captions = [a["caption"] for a in coco.loadAnns(coco.getAnnIds(imgIds=image_id))]
+        records.append(Record(Path(image_dir) / info["file_name"], captions, image_id))
+    return records
+
+
+def read_karpathy(split_file: str | Path, image_root: str | Path, split: str) -> list[Record]:
+    """Karpathy's `dataset_{coco,flickr8k,flickr30k}.json`; split "train" includes "restval"."""
+    split_file = Path(split_file)
+    if not split_file.is_file():
+        raise ConfigError(f"{split_file}: Karpathy split file not found")
+    wanted = {"train": {"train", "restval"}, "val": {"val"}, "test": {"test"}}[split]
+    records = []
+    for item in json.loads(split_file.read_text())["images"]:
+        if item["split"] in wanted:
+            path = Path(image_root) / item.get("filepath", "") / item["filename"]
+            captions = [s.get("raw") or " ".join(s["tokens"]) for s in item["sentences"]]
+            records.append(Record(path, captions, item.get("cocoid", item.get("imgid", item["filename"]))))
+    return records
+
+
+def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record]:
+    """A folder of images plus a captions file: JSONL lines `{"image": "rel/path.jpg", "caption": "..."}` or a CSV
+    with an `image,caption` header. Several lines for one image give several references."""
+    captions_file = Path(captions_file)
+    if not captions_file.is_file():
+        raise ConfigError(f"{captions_file}: captions file not found")
+    rows: list[tuple[str, str]] = []
+    with captions_file.open(newline="", encoding="utf-8") as f:
+        if captions_file.suffix.lower() == ".csv":
+            reader = csv.DictReader(f)
+            if not {"image", "caption"} <= set(reader.fieldnames or []):
+                raise ConfigError(f"{captions_file}: the CSV header must have the columns image,caption")
+            rows = [(r["image"], r["caption"] or "") for r in reader]
+        else:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                        rows.append((row["image"], row.get("caption") or ""))
+                    except (ValueError, KeyError, TypeError):
+                        raise ConfigError(f"{captions_file}:{number}: not a JSON object with an image key") from None
+    by_image: dict[str, list[str]] = {}
+    for image, caption in rows:
+        by_image.setdefault(image, []).append(caption)
+    return [Record(Path(image_dir) / image, caps, image) for image, caps in by_image.items()]
+
+
+def clean(records: list[Record], max_caption_len: int, name: str) -> list[Record]:
+    """Drop empty and too-long captions and images whose file is missing; report what was dropped in one line."""
+    dropped: Counter[str] = Counter()
+    kept = []
+    for record in records:
+        if not record.image.is_file():
+            dropped["image file missing"] += 1
+            continue
+        captions = []
+        for caption in record.captions:
+            words = len(tokenize(caption))
+            if words == 0:
+                dropped["empty caption"] += 1
+            elif words > max_caption_len:
+                dropped[f"caption longer than {max_caption_len} words"] += 1
+            else:
+                captions.append(caption)
+        if captions:
+            kept.append(Record(record.image, captions, record.image_id))
+        else:
+            dropped["image with no usable caption"] += 1
+    if dropped:
+        summary = ", ".join(f"{n} {what}" for what, n in sorted(dropped.items()))
+        log.warning("%s: skipped %s; kept %d images", name, summary, len(kept))
+    return kept
+
+
+class CaptionSet:
+    """One split of a real dataset: images on disk and their reference captions."""
+
+    def __init__(self, name: str, records: list[Record]):
+        if not records:
+            raise ConfigError(f"{name}: no usable images")
+        self.records = records
+        listing = "\n".join(f"{r.image}|{len(r.captions)}" for r in records)
+        self.identity = f"{name}-n{len(records)}-{hashlib.sha256(listing.encode()).hexdigest()[:10]}"
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def load_image(self, index: int) -> Image.Image:
+        return load_image(self.records[index].image)
+
+    def captions(self, index: int) -> list[str]:
+        return self.records[index].captions
+
+    def image_id(self, index: int) -> int | str:
+        return self.records[index].image_id

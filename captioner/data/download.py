@@ -1,0 +1,124 @@
+"""Resumable downloads with checksum, progress bar and extraction, for COCO and the Karpathy splits.
+
+A download goes to `<file>.part`; an interrupted one resumes from there with an HTTP Range request. The finished
+file is checked against its SHA-256 (when one is known) before it replaces the final name, so a file without
+`.part` is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import shutil
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from captioner.errors import CaptionerError
+
+log = logging.getLogger(__name__)
+
+# The official locations; any of them can be overridden (a mirror) through CocoDataModule's `urls`.
+COCO_URLS = {
+    "train2014": "http://images.cocodataset.org/zips/train2014.zip",
+    "val2014": "http://images.cocodataset.org/zips/val2014.zip",
+    "train2017": "http://images.cocodataset.org/zips/train2017.zip",
+    "val2017": "http://images.cocodataset.org/zips/val2017.zip",
+    "annotations2014": "http://images.cocodataset.org/annotations/annotations_trainval2014.zip",
+    "annotations2017": "http://images.cocodataset.org/annotations/annotations_trainval2017.zip",
+    "karpathy": "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip",
+}
+CHUNK = 1 << 20
+
+
+class DownloadError(CaptionerError):
+    """A download failed or its checksum did not match."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download(url: str, destination: str | Path, sha256: str | None = None, timeout: float = 30.0) -> Path:
+    """Download `url` to `destination`, resuming a previous partial download; verify `sha256` if given."""
+    destination = Path(destination)
+    if destination.exists():
+        return destination
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    part = destination.with_name(destination.name + ".part")
+    start = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={start}-"} if start else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            resumed = start > 0 and response.status == 206
+            if not resumed:
+                start = 0  # the server ignored the Range header: start over
+            length = response.headers.get("Content-Length")
+            total = start + int(length) if length is not None else None
+            with (
+                part.open("ab" if resumed else "wb") as out,
+                tqdm(total=total, initial=start, unit="B", unit_scale=True, desc=destination.name) as bar,
+            ):
+                for block in iter(lambda: response.read(CHUNK), b""):
+                    out.write(block)
+                    bar.update(len(block))
+            if total is not None and part.stat().st_size < total:  # the server closed the connection early
+                raise http.client.IncompleteRead(b"", total - part.stat().st_size)
+    except urllib.error.HTTPError as err:
+        if err.code == 416 and start:  # the range starts at the end: the .part file is already complete
+            pass
+        else:
+            raise DownloadError(f"{url}: HTTP {err.code} {err.reason}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        reason = getattr(err, "reason", None) or type(err).__name__
+        raise DownloadError(f"{url}: download interrupted ({reason}); run again to resume from {part}") from None
+    if sha256 is not None:
+        actual = sha256_of(part)
+        if actual != sha256:
+            part.unlink()
+            raise DownloadError(f"{url}: checksum mismatch (expected {sha256}, got {actual}); the file was deleted")
+    part.replace(destination)
+    return destination
+
+
+def extract(archive: str | Path, folder: str | Path) -> None:
+    """Unzip `archive` into `folder`, refusing members that would land outside it."""
+    folder = Path(folder).resolve()
+    with zipfile.ZipFile(archive) as zf:
+        for member in zf.namelist():
+            if not (folder / member).resolve().is_relative_to(folder):
+                raise DownloadError(f"{archive}: member {member!r} would be extracted outside {folder}")
+        zf.extractall(folder)
+
+
+def fetch_and_extract(name: str, urls: dict[str, str], folder: Path, marker: Path, sha256: str | None = None) -> None:
+    """Download the zip called `name` into folder/downloads and extract it into folder, unless `marker` exists."""
+    if marker.exists():
+        return
+    url = {**COCO_URLS, **urls}[name]
+    archive = download(url, folder / "downloads" / Path(url).name, sha256)
+    log.info("extracting %s", archive)
+    extract(archive, folder)
+    if not marker.exists():
+        raise DownloadError(f"{archive}: extracted, but {marker} is still missing")
+
+
+def prepare_coco(folder: Path, format: str, year: int, split_file: str, urls: dict[str, str]) -> None:
+    """Download and extract what the chosen COCO layout needs and is missing."""
+    if format == "custom":
+        return
+    for part in ("train", "val"):
+        fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}")
+    if format == "coco":
+        fetch_and_extract(f"annotations{year}", urls, folder, folder / "annotations" / f"captions_train{year}.json")
+    else:
+        fetch_and_extract("karpathy", urls, folder, folder / split_file)
+    shutil.rmtree(folder / "downloads", ignore_errors=True)

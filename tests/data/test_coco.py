@@ -1,0 +1,108 @@
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from captioner.cli import main
+from captioner.data.coco import clean, read_coco, read_custom, read_karpathy
+from captioner.data.datamodules import CocoDataModule
+from captioner.errors import ConfigError
+from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
+
+SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
+
+
+def fit_args(tmp_path, config: str, *data: str) -> list[str]:
+    return [
+        "fit", "--config", config, "--trainer.accelerator=cpu", "--trainer.fast_dev_run=true",
+        "--trainer.logger=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}",
+        f"--checkpoint.dirpath={tmp_path / 'ckpt'}", f"--data.init_args.data_dir={tmp_path}",
+        "--data.init_args.batch_size=2", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1",
+        "--data.init_args.download=false", *SMALL_MODEL, *data,
+    ]  # fmt: skip
+
+
+def test_readers_agree_on_the_photos_and_their_captions(tmp_path):
+    write_coco(tmp_path / "coco")
+    write_karpathy(tmp_path / "karpathy")
+    write_custom(tmp_path / "custom")
+    coco = read_coco(tmp_path / "coco/annotations/captions_train2014.json", tmp_path / "coco/train2014")
+    assert [r.image.name for r in coco] == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]
+    assert coco[1].captions == CAPTIONS["chelsea.jpg"] and coco[1].image_id == 2
+    train = read_karpathy(tmp_path / "karpathy/dataset_coco.json", tmp_path / "karpathy", "train")
+    assert sorted(r.image.name for r in train) == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]  # + restval
+    assert [r.image_id for r in read_karpathy(tmp_path / "karpathy/dataset_coco.json", tmp_path, "test")] == [104]
+    custom = read_custom(tmp_path / "custom/captions.jsonl", tmp_path / "custom/images")
+    assert len(custom) == 12 and all(len(r.captions) == 2 for r in custom)
+    write_custom(tmp_path / "csv", csv=True)
+    assert [r.captions for r in read_custom(tmp_path / "csv/captions.csv", tmp_path / "csv/images")] == [
+        r.captions for r in custom
+    ]
+
+
+def test_bad_annotations_are_counted_once_and_skipped(tmp_path, caplog):
+    write_custom(tmp_path)
+    with (tmp_path / "captions.jsonl").open("a") as f:
+        f.write(json.dumps({"image": "gone.jpg", "caption": "a photo that is not there"}) + "\n")
+        f.write(json.dumps({"image": "set0/coffee.jpg", "caption": "  ...  "}) + "\n")
+        f.write(json.dumps({"image": "set1/coffee.jpg", "caption": "word " * 60}) + "\n")
+    records = read_custom(tmp_path / "captions.jsonl", tmp_path / "images")
+    with caplog.at_level(logging.WARNING):
+        kept = clean(records, max_caption_len=50, name="mine")
+    assert len(kept) == 12 and all(len(r.captions) == 2 for r in kept)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "mine: skipped" in line and "1 image file missing" in line and "1 empty caption" in line
+    assert "1 caption longer than 50 words" in line
+
+
+def test_broken_image_file_does_not_stop_a_run(tmp_path):
+    write_custom(tmp_path)
+    (tmp_path / "images/set0/chelsea.jpg").write_bytes(b"not a jpeg")
+    main(fit_args(tmp_path, "configs/custom.yaml", "--data.init_args.val_fraction=0.3",
+                  "--data.init_args.test_fraction=0.2"))  # fmt: skip
+    bad = [json.loads(p.read_text())["bad"] for p in (tmp_path / "features").glob("*/meta.json")]
+    assert sum(len(b) for b in bad) == 1  # the broken file was marked when the cache was built
+
+
+@pytest.mark.parametrize("fmt", ["coco", "karpathy", "custom"])
+def test_fast_dev_run_on_each_format(tmp_path, fmt):
+    {"coco": write_coco, "karpathy": write_karpathy, "custom": write_custom}[fmt](tmp_path)
+    config = "configs/custom.yaml" if fmt == "custom" else "configs/coco_lite0.yaml"
+    extra = [
+        f"--data.init_args.format={fmt}",
+        "--data.init_args.val_fraction=0.3",
+        "--data.init_args.test_fraction=0.2",
+    ]
+    main(fit_args(tmp_path, config, *extra))
+    vocab_files = list(tmp_path.glob("vocab-*.json"))
+    assert len(vocab_files) == 1  # saved beside the data, built from the training split only
+    words = json.loads(vocab_files[0].read_text())["itos"]
+    train_only = "launch" if fmt != "custom" else None  # rocket.jpg is only in val/test for coco and karpathy
+    assert train_only is None or train_only not in words
+
+
+def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown dataset format"):
+        CocoDataModule(data_dir=str(tmp_path), format="voc")
+    with pytest.raises(ConfigError, match=r"dataset_coco\.json: Karpathy split file not found"):
+        CocoDataModule(data_dir=str(tmp_path)).split("train")
+
+
+def test_evaluate_writes_every_metric_and_coco_results(tmp_path, capsys):
+    write_karpathy(tmp_path)
+    main(["fit", "--config", "configs/coco_lite0.yaml", "--trainer.accelerator=cpu", "--trainer.max_epochs=2",
+          "--trainer.logger=false", f"--checkpoint.dirpath={tmp_path / 'ckpt'}", f"--data.init_args.data_dir={tmp_path}",
+          "--data.init_args.batch_size=2", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1",
+          "--data.init_args.download=false", *SMALL_MODEL])  # fmt: skip
+    config = yaml.safe_load(Path("configs/coco_lite0.yaml").read_text())
+    config["data"]["init_args"].update(data_dir=str(tmp_path), download=False, num_workers=0, min_word_count=1)
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(config))
+    main(["evaluate", "--config", str(tmp_path / "eval.yaml"), "--checkpoint", str(tmp_path / "ckpt/last.ckpt"),
+          "--split", "test", "--beam-size", "2", "--output", str(tmp_path / "out")])  # fmt: skip
+    metrics = json.loads((tmp_path / "out/metrics.json").read_text())
+    assert set(metrics) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}
+    assert all(v >= 0.0 for v in metrics.values())
+    assert json.loads((tmp_path / "out/captions.json").read_text())[0]["image_id"] == 104
+    assert "SPICE: skipped" in capsys.readouterr().out

@@ -1,0 +1,97 @@
+"""Downloads against a local HTTP server on 127.0.0.1 that serves small files made by the test."""
+
+import hashlib
+import io
+import threading
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from captioner.data.download import DownloadError, download, fetch_and_extract
+
+
+class RangeHandler(BaseHTTPRequestHandler):
+    """Serves self.server.files, honours Range requests, and cuts the first transfer of `interrupt` paths."""
+
+    def do_GET(self):
+        server = self.server
+        if self.path not in server.files:
+            self.send_error(404)
+            return
+        data = server.files[self.path]
+        header = self.headers.get("Range")
+        start = int(header.split("=")[1].split("-")[0]) if header else 0
+        server.requests.append((self.path, start))
+        body = data[start:]
+        self.send_response(206 if header else 200)
+        if header:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.path in server.interrupt:
+            server.interrupt.remove(self.path)
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), RangeHandler)
+    httpd.files, httpd.interrupt, httpd.requests = {}, set(), []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def url(server, path):
+    return f"http://127.0.0.1:{server.server_address[1]}{path}"
+
+
+def test_interrupted_download_resumes_and_is_verified(server, tmp_path):
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    server.files["/big.bin"] = payload
+    server.interrupt.add("/big.bin")
+    target = tmp_path / "big.bin"
+    sha = hashlib.sha256(payload).hexdigest()
+    with pytest.raises(DownloadError, match="interrupted"):
+        download(url(server, "/big.bin"), target, sha256=sha, timeout=5)
+    part = tmp_path / "big.bin.part"
+    assert not target.exists() and 0 < part.stat().st_size < len(payload)
+    partial = part.stat().st_size
+    download(url(server, "/big.bin"), target, sha256=sha, timeout=5)
+    assert target.read_bytes() == payload and not part.exists()
+    assert server.requests == [("/big.bin", 0), ("/big.bin", partial)]  # the second request resumed
+
+
+def test_checksum_mismatch_deletes_the_file(server, tmp_path):
+    server.files["/a.bin"] = b"hello"
+    with pytest.raises(DownloadError, match="checksum mismatch"):
+        download(url(server, "/a.bin"), tmp_path / "a.bin", sha256="0" * 64, timeout=5)
+    assert not (tmp_path / "a.bin").exists() and not (tmp_path / "a.bin.part").exists()
+
+
+def test_http_errors_are_one_line(server, tmp_path):
+    with pytest.raises(DownloadError, match="HTTP 404"):
+        download(url(server, "/missing.zip"), tmp_path / "missing.zip", timeout=5)
+
+
+def test_fetch_and_extract_a_zip_from_a_mirror(server, tmp_path):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("annotations/captions_train2014.json", '{"images": [], "annotations": []}')
+    server.files["/mirror/annotations_trainval2014.zip"] = buffer.getvalue()
+    marker = tmp_path / "annotations" / "captions_train2014.json"
+    urls = {"annotations2014": url(server, "/mirror/annotations_trainval2014.zip")}
+    fetch_and_extract("annotations2014", urls, tmp_path, marker)
+    assert marker.read_text().startswith('{"images"')
+    fetch_and_extract("annotations2014", urls, tmp_path, marker)  # already there: no second request
+    assert len(server.requests) == 1

@@ -1,0 +1,67 @@
+"""Tiny real-photo caption datasets in every supported format, written into tmp_path by the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.images import photo
+
+CAPTIONS = {
+    "astronaut.jpg": ["an astronaut in a white suit stands before a flag", "a woman astronaut smiles at the camera"],
+    "chelsea.jpg": ["an orange cat looks to the left", "a tabby cat sitting on a floor"],
+    "coffee.jpg": ["a cup of coffee on a saucer", "a white cup of espresso on a table"],
+    "rocket.jpg": ["a rocket on a launch pad", "a space shuttle ready to launch under a blue sky"],
+}
+
+
+def write_photos(folder: Path, names=CAPTIONS) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        photo(name.split(".")[0]).resize((96, 96)).save(folder / name)
+
+
+def write_coco(root: Path) -> None:
+    """annotations/captions_{train,val}2014.json + train2014/ val2014/ (val: rocket and chelsea)."""
+    (root / "annotations").mkdir(parents=True, exist_ok=True)
+    splits = {"train": ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"], "val": ["rocket.jpg", "chelsea.jpg"]}
+    ann_id = 0
+    for split, names in splits.items():
+        write_photos(root / f"{split}2014", names)
+        images, annotations = [], []
+        for image_id, name in enumerate(names, start=1):
+            images.append({"id": image_id, "file_name": name, "width": 96, "height": 96})
+            for caption in CAPTIONS[name]:
+                ann_id += 1
+                annotations.append({"id": ann_id, "image_id": image_id, "caption": caption})
+        data = {"images": images, "annotations": annotations, "info": {}, "licenses": []}
+        (root / "annotations" / f"captions_{split}2014.json").write_text(json.dumps(data))
+
+
+def write_karpathy(root: Path, name: str = "dataset_coco.json") -> None:
+    """Karpathy JSON: astronaut/coffee train, chelsea restval, rocket val and test."""
+    write_photos(root / "images")
+    splits = {"astronaut.jpg": "train", "coffee.jpg": "train", "chelsea.jpg": "restval", "rocket.jpg": "val"}
+    items = [(n, s) for n, s in splits.items()] + [("rocket.jpg", "test")]
+    images = [
+        {"filepath": "images", "filename": n, "split": s, "imgid": i, "cocoid": 100 + i,
+         "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]]}
+        for i, (n, s) in enumerate(items)
+    ]  # fmt: skip
+    (root / name).write_text(json.dumps({"images": images, "dataset": "coco"}))
+
+
+def write_custom(root: Path, csv: bool = False) -> None:
+    """12 image files (4 photos x 3 names) and a JSONL (or CSV) captions file, one line per caption."""
+    lines = []
+    for copy in range(3):
+        folder = root / "images" / f"set{copy}"
+        write_photos(folder)
+        for name, captions in CAPTIONS.items():
+            lines += [(f"set{copy}/{name}", c) for c in captions]
+    if csv:
+        body = "image,caption\n" + "".join(f'{image},"{caption}"\n' for image, caption in lines)
+        (root / "captions.csv").write_text(body)
+    else:
+        body = "".join(json.dumps({"image": image, "caption": caption}) + "\n" for image, caption in lines)
+        (root / "captions.jsonl").write_text(body)
