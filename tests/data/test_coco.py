@@ -93,7 +93,8 @@ def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
 def test_evaluate_writes_every_metric_and_coco_results(tmp_path, capsys):
     write_karpathy(tmp_path)
     main(["fit", "--config", "configs/coco_lite0.yaml", "--trainer.accelerator=cpu", "--trainer.max_epochs=2",
-          "--trainer.logger=false", f"--checkpoint.dirpath={tmp_path / 'ckpt'}", f"--data.init_args.data_dir={tmp_path}",
+          "--trainer.logger=false", f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+          f"--data.init_args.data_dir={tmp_path}",
           "--data.init_args.batch_size=2", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1",
           "--data.init_args.download=false", *SMALL_MODEL])  # fmt: skip
     config = yaml.safe_load(Path("configs/coco_lite0.yaml").read_text())
