@@ -202,9 +202,15 @@ class CaptioningModule(L.LightningModule):
         if hp.lr_schedule == "none":
             return optimizer
         if hp.lr_schedule == "cosine":
-            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.max_epochs))
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+                optimizer, T_max=max(1, self.trainer.max_epochs or 1)
+            )
             return {"optimizer": optimizer, "lr_scheduler": scheduler}
+        # strict=False: a run without validation (limit_val_batches=0) warns that the metric is missing, not crash.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer, mode="max", factor=hp.lr_factor, patience=hp.lr_patience
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": hp.lr_monitor}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "monitor": hp.lr_monitor, "strict": False},
+        }

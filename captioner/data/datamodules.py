@@ -345,6 +345,10 @@ class CocoDataModule(CaptionDataModule):
         prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls)
 
     def make_split(self, split: str) -> CaptionSet:
+        # The vocabulary (and so the model) is built when the CLI starts, before Lightning calls prepare_data:
+        # download here first. It is idempotent, so Lightning's own call later costs nothing.
+        if self.download:
+            self.prepare_data()
         root = self.data_dir
         if self.format == "coco":
             part = "train" if split == "train" else "val"

@@ -95,3 +95,41 @@ def test_fetch_and_extract_a_zip_from_a_mirror(server, tmp_path):
     assert marker.read_text().startswith('{"images"')
     fetch_and_extract("annotations2014", urls, tmp_path, marker)  # already there: no second request
     assert len(server.requests) == 1
+
+
+def zip_of(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name, content in files.items():
+            zf.writestr(name, content)
+    return buffer.getvalue()
+
+
+def test_coco_datamodule_downloads_what_is_missing_before_building_its_vocabulary(server, tmp_path):
+    import json
+
+    from captioner.data.datamodules import CocoDataModule
+    from tests.datasets import CAPTIONS
+    from tests.images import photo
+
+    def jpeg(name):
+        buffer = io.BytesIO()
+        photo(name).resize((64, 64)).save(buffer, format="JPEG")
+        return buffer.getvalue()
+
+    split = {"astronaut": ("train2014", "train"), "coffee": ("train2014", "train"), "rocket": ("val2014", "val")}
+    karpathy = {"images": [
+        {"filepath": folder, "filename": f"{n}.jpg", "split": s, "cocoid": i,
+         "sentences": [{"raw": c} for c in CAPTIONS[f"{n}.jpg"]]}
+        for i, (n, (folder, s)) in enumerate(split.items())
+    ]}  # fmt: skip
+    server.files["/m/train2014.zip"] = zip_of({f"train2014/{n}.jpg": jpeg(n) for n in ("astronaut", "coffee")})
+    server.files["/m/val2014.zip"] = zip_of({"val2014/rocket.jpg": jpeg("rocket")})
+    server.files["/m/caption_datasets.zip"] = zip_of({"dataset_coco.json": json.dumps(karpathy).encode()})
+    urls = {name: url(server, f"/m/{name}.zip") for name in ("train2014", "val2014")}
+    urls["karpathy"] = url(server, "/m/caption_datasets.zip")
+    data = CocoDataModule(data_dir=str(tmp_path / "coco"), download=True, urls=urls, min_word_count=1)
+    assert "astronaut" in data.vocab.stoi and "rocket" not in data.vocab.stoi  # train split only
+    assert len(data.split("val")) == 1
+    assert (tmp_path / "coco" / "train2014" / "coffee.jpg").is_file()
+    assert not (tmp_path / "coco" / "downloads").exists()  # archives removed after extraction
