@@ -43,14 +43,26 @@ def main() -> None:
                 shapes.load_image(i).save(folder / f"{i:04d}.jpg", quality=90)
             seconds, peak = run(folder)
             figures[count] = (seconds, peak)
-            rows.append({"images": count, "wall s": f"{seconds:.1f}", "images/s": f"{count / seconds:.1f}",
-                         "peak RSS MiB": f"{peak:.0f}"})  # fmt: skip
+            rows.append(
+                {
+                    "images": count,
+                    "wall s": f"{seconds:.1f}",
+                    "images/s": f"{count / seconds:.1f}",
+                    "peak RSS MiB": f"{peak:.0f}",
+                }
+            )
     print(f"bundled shapes model, beam 3, batch 16; {machine()}\n")
     print(table(rows))
     growth = figures[512][1] / figures[32][1] - 1
-    print(result(wall_32_s=f"{figures[32][0]:.1f}", wall_512_s=f"{figures[512][0]:.1f}",
-                 peak_32_mib=f"{figures[32][1]:.0f}", peak_512_mib=f"{figures[512][1]:.0f}",
-                 peak_growth=f"{growth:.1%}"))  # fmt: skip
+    print(
+        result(
+            wall_32_s=f"{figures[32][0]:.1f}",
+            wall_512_s=f"{figures[512][0]:.1f}",
+            peak_32_mib=f"{figures[32][1]:.0f}",
+            peak_512_mib=f"{figures[512][1]:.0f}",
+            peak_growth=f"{growth:.1%}",
+        )
+    )
 
 
 if __name__ == "__main__":

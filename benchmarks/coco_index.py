@@ -62,8 +62,15 @@ def main() -> None:
     ]
     print(f"{len(train)} images, {len(train) * PER_IMAGE} captions, vocabulary {len(vocab)}\n")
     print(table(rows))
-    print(result(captions=len(train) * PER_IMAGE, seconds=f"{total:.1f}", peak_rss_mib=f"{peak:.0f}",
-                 rss_before_mib=f"{before:.0f}", vocab=len(vocab)))  # fmt: skip
+    print(
+        result(
+            captions=len(train) * PER_IMAGE,
+            seconds=f"{total:.1f}",
+            peak_rss_mib=f"{peak:.0f}",
+            rss_before_mib=f"{before:.0f}",
+            vocab=len(vocab),
+        )
+    )
 
 
 if __name__ == "__main__":

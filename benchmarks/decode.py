@@ -42,8 +42,14 @@ def main() -> None:
             for batch in (1, 16, 64):
                 speed = images_per_second(decoder, torch.randn(batch, P, E), beam)
                 figures[(sizes, beam, batch)] = speed
-                rows.append({"sizes": sizes, "search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch,
-                             "images/s": f"{speed:.1f}"})  # fmt: skip
+                rows.append(
+                    {
+                        "sizes": sizes,
+                        "search": "greedy" if beam == 1 else f"beam {beam}",
+                        "batch": batch,
+                        "images/s": f"{speed:.1f}",
+                    }
+                )
     print(f"{MAX_LEN} decoding steps per image; {machine()}\n")
     print(table(rows))
     print(

@@ -59,13 +59,23 @@ def main() -> None:
 
             seconds = timed(epoch, repeats=2)
             figures[workers] = N / seconds
-            rows.append({"what": "JPEG -> transforms -> DataLoader -> encoder", "workers": workers,
-                         "images/s": f"{figures[workers]:.1f}"})  # fmt: skip
+            rows.append(
+                {
+                    "what": "JPEG -> transforms -> DataLoader -> encoder",
+                    "workers": workers,
+                    "images/s": f"{figures[workers]:.1f}",
+                }
+            )
     best = max(figures[w] for w in (0, 1, 2))
     print(f"batch {BATCH}, 224x224, efficientnet_lite0, channels_last; {machine()}\n")
     print(table(rows))
-    print(result(raw_images_per_s=f"{figures['raw']:.1f}", pipeline_images_per_s=f"{best:.1f}",
-                 pipeline_over_raw=f"{best / figures['raw']:.2f}"))  # fmt: skip
+    print(
+        result(
+            raw_images_per_s=f"{figures['raw']:.1f}",
+            pipeline_images_per_s=f"{best:.1f}",
+            pipeline_over_raw=f"{best / figures['raw']:.2f}",
+        )
+    )
 
 
 if __name__ == "__main__":

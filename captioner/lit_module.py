@@ -66,6 +66,7 @@ class CaptioningModule(L.LightningModule):
         lr_factor: plateau decay factor.
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
+        beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class CaptioningModule(L.LightningModule):
         lr_factor: float = 0.5,
         lr_patience: int = 2,
         max_caption_len: int = 30,
+        beam_size: int = 3,
     ):
         super().__init__()
         if alpha_c < 0:
@@ -185,7 +187,10 @@ class CaptioningModule(L.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         generation = self.model.generate(
-            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
+            images=batch.get("images"),
+            annotations=batch.get("annotations"),
+            max_len=self.hparams.max_caption_len,
+            beam_size=self.hparams.beam_size,
         )
         return [
             {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score)}

@@ -50,9 +50,7 @@ def attention_grid(
         raise ValueError(f"{len(words)} words but only {len(alphas)} attention maps")
     title_height = 22
     thumb = image.convert("RGB").resize((tile, tile), Image.Resampling.BICUBIC)
-    tiles = [("", thumb)] + [
-        (word, overlay_attention(thumb, alphas[i], grid_hw)) for i, word in enumerate(words)
-    ]  # fmt: skip
+    tiles = [("", thumb)] + [(word, overlay_attention(thumb, alphas[i], grid_hw)) for i, word in enumerate(words)]
     rows = -(-len(tiles) // columns)
     sheet = Image.new("RGB", (columns * tile, rows * (tile + title_height)), "white")
     draw = ImageDraw.Draw(sheet)

@@ -44,10 +44,16 @@ def write_karpathy(root: Path, name: str = "dataset_coco.json") -> None:
     splits = {"astronaut.jpg": "train", "coffee.jpg": "train", "chelsea.jpg": "restval", "rocket.jpg": "val"}
     items = [(n, s) for n, s in splits.items()] + [("rocket.jpg", "test")]
     images = [
-        {"filepath": "images", "filename": n, "split": s, "imgid": i, "cocoid": 100 + i,
-         "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]]}
+        {
+            "filepath": "images",
+            "filename": n,
+            "split": s,
+            "imgid": i,
+            "cocoid": 100 + i,
+            "sentences": [{"raw": c, "tokens": c.split()} for c in CAPTIONS[n]],
+        }
         for i, (n, s) in enumerate(items)
-    ]  # fmt: skip
+    ]
     (root / name).write_text(json.dumps({"images": images, "dataset": "coco"}))
 
 

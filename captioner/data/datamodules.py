@@ -129,6 +129,8 @@ class CaptionDataModule(L.LightningDataModule):
         train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
         min_word_count: words seen fewer times in the training captions become <unk>.
         max_vocab_size: largest vocabulary, special tokens included.
+        augment: random crop and brightness/contrast jitter on training images. The training split then skips the
+            feature cache (cached annotations cannot be augmented), so the encoder runs every step.
     """
 
     def __init__(
@@ -140,8 +142,10 @@ class CaptionDataModule(L.LightningDataModule):
         train_captions: str = "all",
         min_word_count: int = 1,
         max_vocab_size: int = 10000,
+        augment: bool = False,
     ):
         super().__init__()
+        self.augment = augment
         if train_captions not in ("all", "random"):
             raise ConfigError(f"train_captions must be 'all' or 'random', got {train_captions!r}")
         if batch_size < 1:
@@ -197,12 +201,13 @@ class CaptionDataModule(L.LightningDataModule):
         source = self.split(split)
         encoder = self._model_encoder()
         features = None
-        if self.feature_cache and encoder.frozen:
+        augment = self.augment and split == "train"
+        if self.feature_cache and encoder.frozen and not augment:
             features = FeatureCache(self.data_dir / "features", encoder, source)
             if not features.exists:
                 device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
                 features.build(self.batch_size, self.num_workers, device)
-        inputs = _Inputs(source, features, encoder.preprocessing.transforms())
+        inputs = _Inputs(source, features, encoder.preprocessing.transforms(augment))
         texts = [source.captions(i) for i in range(len(source))]
         captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
         references = [[tokenize(t) for t in caps] for caps in texts]
@@ -302,6 +307,7 @@ class CocoDataModule(CaptionDataModule):
         max_caption_len: longer captions are skipped (counted in the summary line).
         download: let prepare_data download what is missing (COCO images and annotations, Karpathy splits).
         urls: name -> URL overrides for the downloads (a mirror), see `captioner.data.download.COCO_URLS`.
+        checksums: name -> SHA-256 of a download; a mismatch deletes the file and stops with an error.
         **kwargs: see `CaptionDataModule`.
     """
 
@@ -319,15 +325,18 @@ class CocoDataModule(CaptionDataModule):
         max_caption_len: int = 50,
         download: bool = False,
         urls: dict[str, str] | None = None,
+        checksums: dict[str, str] | None = None,
         batch_size: int = 64,
         num_workers: int = 2,
         feature_cache: bool = True,
         train_captions: str = "all",
         min_word_count: int = 5,
         max_vocab_size: int = 10000,
+        augment: bool = False,
     ):
-        super().__init__(data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count,
-                         max_vocab_size)  # fmt: skip
+        super().__init__(
+            data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count, max_vocab_size, augment
+        )
         if format not in ("coco", "karpathy", "custom"):
             raise ConfigError(f"unknown dataset format {format!r}; choose coco, karpathy or custom")
         self.save_hyperparameters()
@@ -335,6 +344,7 @@ class CocoDataModule(CaptionDataModule):
         self.captions_file, self.image_dir = captions_file, image_dir
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.max_caption_len, self.download, self.urls = max_caption_len, download, urls or {}
+        self.checksums = checksums or {}
 
     def prepare_data(self) -> None:
         """Download what is missing (only with download: true); writes to disk, builds nothing in memory."""
@@ -342,7 +352,7 @@ class CocoDataModule(CaptionDataModule):
             return
         from captioner.data.download import prepare_coco
 
-        prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls)
+        prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls, self.checksums)
 
     def make_split(self, split: str) -> CaptionSet:
         # The vocabulary (and so the model) is built when the CLI starts, before Lightning calls prepare_data:
@@ -356,8 +366,11 @@ class CocoDataModule(CaptionDataModule):
         elif self.format == "karpathy":
             records = read_karpathy(root / self.split_file, root / self.image_root, split)
         else:
-            records = [r for r in read_custom(root / self.captions_file, root / self.image_dir)
-                       if self._custom_split(str(r.image_id)) == split]  # fmt: skip
+            records = [
+                r
+                for r in read_custom(root / self.captions_file, root / self.image_dir)
+                if self._custom_split(str(r.image_id)) == split
+            ]
         name = f"{root.name}-{self.format}-{split}"
         return CaptionSet(name, clean(records, self.max_caption_len, name))
 

@@ -111,14 +111,17 @@ def fetch_and_extract(name: str, urls: dict[str, str], folder: Path, marker: Pat
         raise DownloadError(f"{archive}: extracted, but {marker} is still missing")
 
 
-def prepare_coco(folder: Path, format: str, year: int, split_file: str, urls: dict[str, str]) -> None:
-    """Download and extract what the chosen COCO layout needs and is missing."""
+def prepare_coco(
+    folder: Path, format: str, year: int, split_file: str, urls: dict[str, str], checksums: dict[str, str]
+) -> None:
+    """Download and extract what the chosen COCO layout needs and is missing (checksums: name -> SHA-256)."""
     if format == "custom":
         return
     for part in ("train", "val"):
-        fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}")
+        fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}", checksums.get(f"{part}{year}"))
     if format == "coco":
-        fetch_and_extract(f"annotations{year}", urls, folder, folder / "annotations" / f"captions_train{year}.json")
+        marker = folder / "annotations" / f"captions_train{year}.json"
+        fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums.get(f"annotations{year}"))
     else:
-        fetch_and_extract("karpathy", urls, folder, folder / split_file)
+        fetch_and_extract("karpathy", urls, folder, folder / split_file, checksums.get("karpathy"))
     shutil.rmtree(folder / "downloads", ignore_errors=True)

@@ -32,20 +32,24 @@ class Preprocessing:
     std: tuple[float, float, float]
     interpolation: str = "bilinear"
 
-    def transforms(self) -> v2.Compose:
+    def transforms(self, augment: bool = False) -> v2.Compose:
         """PIL image (RGB) -> normalised float tensor (3, size, size).
 
         The image is squashed to a square rather than centre-cropped: a crop could cut away an object that the
-        caption names.
+        caption names. With `augment` (training only): a mild random crop (at least 80% of the area) and a little
+        brightness/contrast jitter; no flips and no hue changes, since captions say "left of" and name colours.
         """
         mode = v2.InterpolationMode(self.interpolation)
-        return v2.Compose(
-            [
-                v2.ToImage(),
-                v2.Resize((self.size, self.size), interpolation=mode, antialias=True),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(self.mean, self.std),
+        size = (self.size, self.size)
+        if augment:
+            geometry = [
+                v2.RandomResizedCrop(size, scale=(0.8, 1.0), interpolation=mode, antialias=True),
+                v2.ColorJitter(brightness=0.2, contrast=0.2),
             ]
+        else:
+            geometry = [v2.Resize(size, interpolation=mode, antialias=True)]
+        return v2.Compose(
+            [v2.ToImage(), *geometry, v2.ToDtype(torch.float32, scale=True), v2.Normalize(self.mean, self.std)]
         )
 
 

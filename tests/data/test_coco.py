@@ -16,12 +16,23 @@ SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attent
 
 def fit_args(tmp_path, config: str, *data: str) -> list[str]:
     return [
-        "fit", "--config", config, "--trainer.accelerator=cpu", "--trainer.fast_dev_run=true",
-        "--trainer.logger=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}",
-        f"--checkpoint.dirpath={tmp_path / 'ckpt'}", f"--data.init_args.data_dir={tmp_path}",
-        "--data.init_args.batch_size=2", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1",
-        "--data.init_args.download=false", *SMALL_MODEL, *data,
-    ]  # fmt: skip
+        "fit",
+        "--config",
+        config,
+        "--trainer.accelerator=cpu",
+        "--trainer.fast_dev_run=true",
+        "--trainer.logger=false",
+        "--trainer.precision=32-true",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+        f"--data.init_args.data_dir={tmp_path}",
+        "--data.init_args.batch_size=2",
+        "--data.init_args.num_workers=0",
+        "--data.init_args.min_word_count=1",
+        "--data.init_args.download=false",
+        *SMALL_MODEL,
+        *data,
+    ]
 
 
 def test_readers_agree_on_the_photos_and_their_captions(tmp_path):
@@ -60,8 +71,11 @@ def test_bad_annotations_are_counted_once_and_skipped(tmp_path, caplog):
 def test_broken_image_file_does_not_stop_a_run(tmp_path):
     write_custom(tmp_path)
     (tmp_path / "images/set0/chelsea.jpg").write_bytes(b"not a jpeg")
-    main(fit_args(tmp_path, "configs/custom.yaml", "--data.init_args.val_fraction=0.3",
-                  "--data.init_args.test_fraction=0.2"))  # fmt: skip
+    main(
+        fit_args(
+            tmp_path, "configs/custom.yaml", "--data.init_args.val_fraction=0.3", "--data.init_args.test_fraction=0.2"
+        )
+    )
     bad = [json.loads(p.read_text())["bad"] for p in (tmp_path / "features").glob("*/meta.json")]
     assert sum(len(b) for b in bad) == 1  # the broken file was marked when the cache was built
 
@@ -92,16 +106,41 @@ def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
 
 def test_evaluate_writes_every_metric_and_coco_results(tmp_path, capsys):
     write_karpathy(tmp_path)
-    main(["fit", "--config", "configs/coco_lite0.yaml", "--trainer.accelerator=cpu", "--trainer.max_epochs=2",
-          "--trainer.logger=false", f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
-          f"--data.init_args.data_dir={tmp_path}",
-          "--data.init_args.batch_size=2", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1",
-          "--data.init_args.download=false", *SMALL_MODEL])  # fmt: skip
+    main(
+        [
+            "fit",
+            "--config",
+            "configs/coco_lite0.yaml",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_epochs=2",
+            "--trainer.logger=false",
+            f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+            f"--data.init_args.data_dir={tmp_path}",
+            "--data.init_args.batch_size=2",
+            "--data.init_args.num_workers=0",
+            "--data.init_args.min_word_count=1",
+            "--data.init_args.download=false",
+            *SMALL_MODEL,
+        ]
+    )
     config = yaml.safe_load(Path("configs/coco_lite0.yaml").read_text())
     config["data"]["init_args"].update(data_dir=str(tmp_path), download=False, num_workers=0, min_word_count=1)
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(config))
-    main(["evaluate", "--config", str(tmp_path / "eval.yaml"), "--checkpoint", str(tmp_path / "ckpt/last.ckpt"),
-          "--split", "test", "--beam-size", "2", "--output", str(tmp_path / "out")])  # fmt: skip
+    main(
+        [
+            "evaluate",
+            "--config",
+            str(tmp_path / "eval.yaml"),
+            "--checkpoint",
+            str(tmp_path / "ckpt/last.ckpt"),
+            "--split",
+            "test",
+            "--beam-size",
+            "2",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
     assert set(metrics) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}
     assert all(v >= 0.0 for v in metrics.values())

@@ -118,11 +118,18 @@ def test_coco_datamodule_downloads_what_is_missing_before_building_its_vocabular
         return buffer.getvalue()
 
     split = {"astronaut": ("train2014", "train"), "coffee": ("train2014", "train"), "rocket": ("val2014", "val")}
-    karpathy = {"images": [
-        {"filepath": folder, "filename": f"{n}.jpg", "split": s, "cocoid": i,
-         "sentences": [{"raw": c} for c in CAPTIONS[f"{n}.jpg"]]}
-        for i, (n, (folder, s)) in enumerate(split.items())
-    ]}  # fmt: skip
+    karpathy = {
+        "images": [
+            {
+                "filepath": folder,
+                "filename": f"{n}.jpg",
+                "split": s,
+                "cocoid": i,
+                "sentences": [{"raw": c} for c in CAPTIONS[f"{n}.jpg"]],
+            }
+            for i, (n, (folder, s)) in enumerate(split.items())
+        ]
+    }
     server.files["/m/train2014.zip"] = zip_of({f"train2014/{n}.jpg": jpeg(n) for n in ("astronaut", "coffee")})
     server.files["/m/val2014.zip"] = zip_of({"val2014/rocket.jpg": jpeg("rocket")})
     server.files["/m/caption_datasets.zip"] = zip_of({"dataset_coco.json": json.dumps(karpathy).encode()})
