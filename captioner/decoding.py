@@ -83,8 +83,9 @@ def beam_search(
     device = annotations.device
     annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
     h, c = decoder.init_state(annotations)  # (B,D)
-    annotations, keys = annotations.repeat_interleave(K, 0), keys.repeat_interleave(K, 0)  # (B*K,P,E), (B*K,P,K')
-    h, c = h.repeat_interleave(K, 0), c.repeat_interleave(K, 0)  # (B*K,D)
+    h, c = h.repeat_interleave(K, 0), c.repeat_interleave(K, 0)  # (B*K,D): the K beams of an image are adjacent
+    # The annotations and keys stay (B,P,.): beams only ever move within their own image, and attention broadcasts
+    # one image's memory over its K hypotheses (see captioner.models.attention).
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: expand only the first
     tokens = torch.full((B * K,), start_index, dtype=torch.long, device=device)

@@ -4,6 +4,9 @@ Every scorer has one interface:
     keys = attention.project(annotations)                       # once per batch: (B,P,E) -> (B,P,K)
     context, alpha = attention(annotations, keys, h)            # every step:  -> (B,E), (B,P)
 The projection of the annotations does not depend on the step, so it is computed once per batch, not T times.
+
+In beam search, h has G = K rows per image (B*G rows, grouped by image), while the annotations and keys stay one
+row per image: the G hypotheses of an image attend over the same (P,E) memory without copying it G times.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """keys (B,P,K), h (B,G,D) -> scores (B,G,P)."""
         raise NotImplementedError
 
     def forward(
@@ -31,13 +35,16 @@ class Attention(nn.Module):
         h: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """annotations (B,P,E), keys (B,P,K), h (B,D), mask (B,P) True where valid -> context (B,E), alpha (B,P)."""
-        e = self.score(keys, h)  # (B,P)
+        """annotations (B,P,E), keys (B,P,K), h (B*G,D), mask (B,P) True where valid -> context (B*G,E), alpha
+        (B*G,P)."""
+        B, P, E = annotations.shape
+        G = h.size(0) // B  # hypotheses per image: 1, or the beam size
+        e = self.score(keys, h.view(B, G, -1))  # (B,G,P)
         if mask is not None:
-            e = e.masked_fill(~mask, float("-inf"))
-        alpha = F.softmax(e, dim=1)  # (B,P)
-        context = torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)  # (B,E)
-        return context, alpha
+            e = e.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        alpha = F.softmax(e, dim=-1)  # (B,G,P)
+        context = torch.bmm(alpha, annotations)  # (B,G,E)
+        return context.view(B * G, E), alpha.view(B * G, P)
 
 
 class AdditiveAttention(Attention):
@@ -53,7 +60,7 @@ class AdditiveAttention(Attention):
         return self.W(annotations)  # (B,P,A)
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.v(torch.tanh(keys + self.U(h).unsqueeze(1))).squeeze(-1)  # (B,P)
+        return self.v(torch.tanh(keys.unsqueeze(1) + self.U(h).unsqueeze(2))).squeeze(-1)  # (B,G,P,A) -> (B,G,P)
 
 
 class GeneralAttention(Attention):
@@ -67,7 +74,7 @@ class GeneralAttention(Attention):
         return self.W(annotations)  # (B,P,D)
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(keys, h.unsqueeze(2)).squeeze(2)  # (B,P)
+        return torch.bmm(h, keys.transpose(1, 2))  # (B,G,D) @ (B,D,P) -> (B,G,P)
 
 
 class DotAttention(GeneralAttention):

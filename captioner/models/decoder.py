@@ -97,7 +97,10 @@ class AttentionDecoder(nn.Module):
         annotations: torch.Tensor,
         keys: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """One word: tokens y_{t-1} (B,), state (B,D)x2 -> logits (B,V), new state, alpha (B,P)."""
+        """One word: tokens y_{t-1} (N,), state (N,D)x2 -> logits (N,V), new state, alpha (N,P).
+
+        N is B, or B*G in beam search (G hypotheses per image, adjacent), with annotations and keys (B,P,.).
+        """
         h, c = state
         y = self.embedding(tokens)  # (B,M)
         context, alpha = self.attention(annotations, keys, h)  # (B,E), (B,P)

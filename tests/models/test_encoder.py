@@ -92,3 +92,15 @@ def test_missing_torchvision_weights_fail_fast_offline(tmp_path, monkeypatch):
     with pytest.raises(WeightsUnavailableError, match="pretrained: false"):
         Encoder("resnet50", pretrained=True)
     assert time.monotonic() - start < 30
+
+
+def test_training_augmentation_keeps_the_shape_and_varies():
+    from tests.images import photo
+
+    preprocessing = Encoder("resnet50", pretrained=False).preprocessing
+    image = photo("astronaut")
+    plain = preprocessing.transforms()(image)
+    augmented = [preprocessing.transforms(augment=True)(image) for _ in range(2)]
+    assert plain.shape == augmented[0].shape == (3, 224, 224)
+    assert not torch.equal(augmented[0], augmented[1])
+    assert torch.equal(plain, preprocessing.transforms()(image))  # evaluation preprocessing is deterministic
