@@ -23,7 +23,7 @@ SPECIAL = {"start_index": 1, "end_index": 2, "pad_index": 0}
 
 
 def build() -> AttentionDecoder:
-    P, E, D, A, M, V = SIZES["shapes"]
+    _, E, D, A, M, V = SIZES["shapes"]
     torch.manual_seed(0)
     decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A, dropout=0.0)
     decoder.L_o.bias.data[2] = -1e4  # never emit <end>: every decode runs MAX_LEN steps
