@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 from jsonargparse import ArgumentError
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from captioner.data.datamodules import CaptionDataModule
@@ -35,8 +35,31 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+class PredictionWriter(BasePredictionWriter):
+    """Writes `captioner predict` results as JSON lines: index, caption, score (and image_id when known).
+
+    Args:
+        output: the JSON-lines file to write.
+    """
+
+    def __init__(self, output: str = "predictions.jsonl"):
+        super().__init__(write_interval="epoch")
+        self.output = Path(output)
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        source = trainer.datamodule.split("test") if trainer.datamodule is not None else None
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        with self.output.open("w") as f:
+            for record in (r for batch in predictions for r in batch):
+                if source is not None and hasattr(source, "image_id"):
+                    record = {"image_id": source.image_id(record["index"]), **record}
+                f.write(json.dumps(record) + "\n")
+        print(f"wrote {self.output}")
+
+
 class CaptionerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(PredictionWriter, "predictions")
         # The vocabulary is decided by the data (its training split), once, and handed to the model.
         parser.link_arguments("data.vocab_tokens", "model.vocab", apply_on="instantiate")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")

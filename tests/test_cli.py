@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,22 @@ def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
     result = run_cli("demo", "--checkpoint", str(bogus))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{bogus}: not a captioner checkpoint" in result.stderr
+
+
+def test_predict_writes_captions_as_json_lines(tmp_path):
+    main(["fit", *tiny_fit_args(tmp_path)])
+    output = tmp_path / "predictions.jsonl"
+    main(
+        [
+            "predict",
+            *tiny_fit_args(
+                tmp_path,
+                f"--ckpt_path={tmp_path / 'checkpoints' / 'best.ckpt'}",
+                f"--predictions.output={output}",
+                "--model.beam_size=2",
+            ),
+        ]
+    )
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(16))  # every test image of configs/debug.yaml, in order
+    assert all(r["caption"].strip() and r["score"] < 0 for r in records)
