@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
 
+from captioner.data.shapes import SHAPES, SIZES
+
 Tokens = Sequence[str]
 
 
@@ -28,12 +30,11 @@ def link_words_to_objects(words: Sequence[str], objects: Sequence) -> list[int]:
     one object of the image matches (an ambiguous or wrong phrase links nothing).
     """
     links = [-1] * len(words)
-    shapes = {o.shape for o in objects} | {"circle", "square", "triangle", "diamond"}
     for t, word in enumerate(words):
-        if word not in shapes or t == 0:
+        if word not in SHAPES or t == 0:
             continue
         color = words[t - 1]
-        size = words[t - 2] if t >= 2 and words[t - 2] in ("small", "large") else None
+        size = words[t - 2] if t >= 2 and words[t - 2] in SIZES else None
         matches = [
             k
             for k, o in enumerate(objects)

@@ -14,13 +14,13 @@ from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
 SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
 
 
-def fit_args(tmp_path, config: str, *data: str) -> list[str]:
+def fit_args(tmp_path, config: str, *data: str, length: str = "--trainer.fast_dev_run=true") -> list[str]:
     return [
         "fit",
         "--config",
         config,
         "--trainer.accelerator=cpu",
-        "--trainer.fast_dev_run=true",
+        length,
         "--trainer.logger=false",
         "--trainer.precision=32-true",
         f"--trainer.default_root_dir={tmp_path}",
@@ -106,23 +106,7 @@ def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
 
 def test_evaluate_writes_every_metric_and_coco_results(tmp_path, capsys):
     write_karpathy(tmp_path)
-    main(
-        [
-            "fit",
-            "--config",
-            "configs/coco_lite0.yaml",
-            "--trainer.accelerator=cpu",
-            "--trainer.max_epochs=2",
-            "--trainer.logger=false",
-            f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
-            f"--data.init_args.data_dir={tmp_path}",
-            "--data.init_args.batch_size=2",
-            "--data.init_args.num_workers=0",
-            "--data.init_args.min_word_count=1",
-            "--data.init_args.download=false",
-            *SMALL_MODEL,
-        ]
-    )
+    main(fit_args(tmp_path, "configs/coco_lite0.yaml", length="--trainer.max_epochs=2"))
     config = yaml.safe_load(Path("configs/coco_lite0.yaml").read_text())
     config["data"]["init_args"].update(data_dir=str(tmp_path), download=False, num_workers=0, min_word_count=1)
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(config))
