@@ -34,29 +34,39 @@ def greedy_search(
     max_len: int = 30,
     pad_index: int = 0,
 ) -> Generation:
-    """Pick the most probable word at every step until every caption has produced <end> or max_len words."""
-    B = annotations.size(0)
+    """Pick the most probable word at every step until every caption has produced <end> or max_len words.
+
+    The active batch shrinks as captions end: the decoder only runs the captions still being written.
+    """
+    B, P, _ = annotations.shape
+    device = annotations.device
     annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K)
-    state = decoder.init_state(annotations)
-    tokens = annotations.new_full((B,), start_index, dtype=torch.long)
-    finished = torch.zeros(B, dtype=torch.bool, device=annotations.device)
-    scores = annotations.new_zeros(B)
-    lengths = torch.zeros(B, dtype=torch.long, device=annotations.device)
-    out_tokens, out_alphas = [], []
-    for _ in range(max_len):
-        logits, state, alpha = decoder.step(tokens, state, annotations, keys)  # (B,V), _, (B,P)
+    h, c = decoder.init_state(annotations)
+    alive = torch.arange(B, device=device)  # the captions still being written, and the rows of h, c, annotations
+    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
+    out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
+    out_alphas = annotations.new_zeros(B, max_len, P)
+    scores = torch.zeros(B, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    steps = 0
+    for t in range(max_len):
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
         log_probs = F.log_softmax(logits.float(), dim=-1)
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
-        best, tokens = log_probs.max(dim=-1)  # (B,), (B,)
-        scores = scores + best.masked_fill(finished, 0.0)
-        out_tokens.append(tokens.masked_fill(finished, pad_index))
-        out_alphas.append(alpha.masked_fill(finished.unsqueeze(1), 0.0))
-        lengths = lengths + (~finished).long()
-        finished = finished | (tokens == end_index)
-        if bool(finished.all()):
-            break
-    tokens = torch.stack(out_tokens, dim=1)  # (B,T)
-    return Generation(tokens, lengths, scores, torch.stack(out_alphas, dim=1))
+        best, tokens = log_probs.max(dim=-1)  # (N,), (N,)
+        out_tokens[alive, t] = tokens
+        out_alphas[alive, t] = alpha
+        scores.index_add_(0, alive, best)
+        lengths[alive] += 1
+        steps = t + 1
+        running = tokens != end_index
+        if not bool(running.all()):
+            if not bool(running.any()):
+                break
+            keep = running.nonzero().squeeze(1)
+            alive, tokens, h, c = alive[keep], tokens[keep], h[keep], c[keep]
+            annotations, keys = annotations[keep], keys[keep]
+    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
 
 
 def beam_search(
@@ -69,12 +79,17 @@ def beam_search(
     length_penalty: float = 0.0,
     pad_index: int = 0,
 ) -> Generation:
-    """Beam search over all images and beams at once: each step is one decoder call on (B*K) rows.
+    """Beam search over all images and beams at once: each step is one decoder call on the hypotheses of all the
+    images still searching.
 
-    A finished beam stays in the beam with its final score (it can only be extended by <pad> at no cost), so the
-    whole search is a fixed-shape tensor program. At the end, each image gets its best finished hypothesis by
-    score / length**length_penalty (0 = raw log-probability); if none finished within max_len, the best unfinished
-    one. It never returns an empty caption.
+    - The first step runs once per image: its K beams are all the same <start> hypothesis until the first word.
+    - A finished hypothesis stays in its beam with its final score (it can only be extended by <pad> at no cost).
+    - An image whose K hypotheses have all finished can no longer change, so it leaves the batch: the decoder state,
+      annotations and keys shrink with the set of images still searching.
+    - Hypotheses are recorded by back-pointers (one (B*K,) row of parents per step) and read back once at the end.
+
+    Each image gets its best finished hypothesis by score / length**length_penalty (0 = raw log-probability); if none
+    finished within max_len, the best unfinished one. It never returns an empty caption.
     """
     B, P, _ = annotations.shape
     K = beam_size
@@ -82,40 +97,92 @@ def beam_search(
         raise ValueError(f"beam_size must be >= 1, got {K}")
     device = annotations.device
     annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
-    h, c = decoder.init_state(annotations)  # (B,D)
-    h, c = h.repeat_interleave(K, 0), c.repeat_interleave(K, 0)  # (B*K,D): the K beams of an image are adjacent
-    # The annotations and keys stay (B,P,.): beams only ever move within their own image, and attention broadcasts
-    # one image's memory over its K hypotheses (see captioner.models.attention).
-    scores = torch.full((B, K), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # all beams start identical: expand only the first
-    tokens = torch.full((B * K,), start_index, dtype=torch.long, device=device)
-    finished = torch.zeros(B * K, dtype=torch.bool, device=device)
-    lengths = torch.zeros(B * K, dtype=torch.long, device=device)
-    history = torch.empty(B * K, 0, dtype=torch.long, device=device)  # (B*K,t)
-    alpha_history = annotations.new_empty(B * K, 0, P)  # (B*K,t,P)
-    offsets = torch.arange(B, device=device).unsqueeze(1) * K  # (B,1): first row of each image
+    h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
+    # The annotations and keys stay one row per image: beams only ever move within their own image, and attention
+    # broadcasts one image's memory over its hypotheses (see captioner.models.attention).
+
+    # The images still searching (A of them, G hypotheses each, rows grouped by image) ...
+    alive = torch.arange(B, device=device)  # (A,)
+    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (A*G,)
+    scores = torch.zeros(B, 1, device=device)  # (A,G)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (A*G,)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)  # (A*G,)
+    # ... and the record of every hypothesis, row b*K + k: final score and length, and per step its word, the
+    # attention that chose it and the row it extends. Images that have left the batch go on as <pad> rows pointing
+    # to themselves.
+    final_scores = torch.zeros(B, K, device=device)
+    final_lengths = torch.zeros(B * K, dtype=torch.long, device=device)
+    final_finished = torch.zeros(B * K, dtype=torch.bool, device=device)
+    record_tokens, record_alphas, record_parents = [], [], []
+    identity = torch.arange(B * K, device=device)
+    rows = identity  # (A*K,) record rows of the hypotheses in the batch
+    input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
+    carry = None  # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
     for _ in range(max_len):
-        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (B*K,V), _, (B*K,P)
+        A, G = scores.shape
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
         log_probs = F.log_softmax(logits.float(), dim=-1)
         V = log_probs.size(1)
-        log_probs[:, [pad_index, start_index]] = float("-inf")
-        log_probs[finished] = float("-inf")
-        log_probs[finished, pad_index] = 0.0  # a finished beam carries on unchanged
-        candidates = (scores.view(B * K, 1) + log_probs).view(B, K * V)
-        scores, best = candidates.topk(K, dim=1)  # (B,K)
-        rows = (best // V + offsets).view(-1)  # (B*K,) the beam each new hypothesis extends
-        tokens = (best % V).view(-1)  # (B*K,)
-        was_finished = finished[rows]
-        h, c = h[rows], c[rows]
-        history = torch.cat([history[rows], tokens.unsqueeze(1)], dim=1)
-        step_alpha = alpha[rows].masked_fill(was_finished.unsqueeze(1), 0.0)
-        alpha_history = torch.cat([alpha_history[rows], step_alpha.unsqueeze(1)], dim=1)
-        lengths = lengths[rows] + (~was_finished).long()
+        if carry is None:
+            if K > V:
+                raise ValueError(f"beam_size ({K}) cannot exceed the vocabulary size ({V})")
+            carry = torch.full((V,), float("-inf"), device=device)
+            carry[pad_index] = 0.0
+        log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
+        log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+        candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
+        scores, best = candidates.topk(K, dim=1)  # (A,K)
+        parents = (best // V + torch.arange(A, device=device).unsqueeze(1) * G).view(-1)  # (A*K,) rows extended
+        tokens = (best % V).view(-1)  # (A*K,)
+        was_finished = finished[parents]
+        h, c = h[parents], c[parents]
+        lengths = lengths[parents] + (~was_finished).long()
         finished = was_finished | (tokens == end_index)
-        if bool(finished.all()):
+
+        step_tokens, step_parents = tokens, input_rows[parents]
+        step_alphas = alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
+        if A < B:  # some images have left: they stay in the record as <pad> rows pointing to themselves
+            step_tokens = torch.full((B * K,), pad_index, device=device).index_copy_(0, rows, step_tokens)
+            step_parents = identity.clone().index_copy_(0, rows, step_parents)
+            step_alphas = step_alphas.new_zeros(B * K, P).index_copy_(0, rows, step_alphas)
+        record_tokens.append(step_tokens)
+        record_parents.append(step_parents)
+        record_alphas.append(step_alphas)
+        input_rows = rows
+
+        done = finished.view(A, K).all(dim=1)  # (A,)
+        n_done = int(done.sum())
+        if n_done == A:
             break
-    ranking = scores / lengths.view(B, K).clamp(min=1).float() ** length_penalty  # (B,K)
-    any_finished = finished.view(B, K).any(dim=1, keepdim=True)  # (B,1)
-    ranking = ranking.masked_fill(any_finished & ~finished.view(B, K), float("-inf"))
-    choice = (ranking.argmax(dim=1) + offsets.squeeze(1)).view(-1)  # (B,)
-    return Generation(history[choice], lengths[choice], scores.view(-1)[choice], alpha_history[choice])
+        if n_done:  # these images can no longer change: record their result and leave the batch
+            done_rows = done.repeat_interleave(K)
+            final_scores[alive[done]] = scores[done]
+            final_lengths[rows[done_rows]] = lengths[done_rows]
+            final_finished[rows[done_rows]] = True
+            keep, keep_rows = ~done, ~done_rows
+            alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
+            h, c, tokens, finished, lengths = (
+                h[keep_rows],
+                c[keep_rows],
+                tokens[keep_rows],
+                finished[keep_rows],
+                lengths[keep_rows],
+            )
+            rows = input_rows = rows[keep_rows]
+    final_scores[alive] = scores
+    final_lengths[rows] = lengths
+    final_finished[rows] = finished
+
+    ranking = final_scores / final_lengths.view(B, K).clamp(min=1).float() ** length_penalty  # (B,K)
+    any_finished = final_finished.view(B, K).any(dim=1, keepdim=True)  # (B,1)
+    ranking = ranking.masked_fill(any_finished & ~final_finished.view(B, K), float("-inf"))
+    choice = ranking.argmax(dim=1) + torch.arange(B, device=device) * K  # (B,) record rows of the winners
+    steps = len(record_tokens)
+    out_tokens = torch.empty(B, steps, dtype=torch.long, device=device)
+    out_alphas = annotations.new_empty(B, steps, P)
+    row = choice
+    for t in reversed(range(steps)):  # follow the back-pointers from the last word to the first
+        out_tokens[:, t] = record_tokens[t][row]
+        out_alphas[:, t] = record_alphas[t][row]
+        row = record_parents[t][row]
+    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas)

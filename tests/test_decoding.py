@@ -94,3 +94,53 @@ def test_generation_never_emits_pad_or_start_and_alphas_are_distributions():
     real = torch.arange(out.tokens.size(1)).unsqueeze(0) < out.lengths.unsqueeze(1)  # (B,T)
     assert torch.allclose(out.alphas.sum(-1)[real], torch.ones(int(real.sum())), atol=1e-5)
     assert (out.alphas.sum(-1)[~real] == 0).all()
+
+
+class RowCounter:
+    """Wraps a decoder and records how many rows each decoding step ran."""
+
+    def __init__(self, decoder):
+        self.decoder, self.rows = decoder, []
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+    def step(self, tokens, state, annotations, keys):
+        self.rows.append(tokens.size(0))
+        return self.decoder.step(tokens, state, annotations, keys)
+
+
+def test_greedy_runs_only_the_captions_still_being_written():
+    decoder, annotations = random_decoder(), torch.randn(8, 9, 16)
+    decoder.L_o.bias.data[END] += 1.0  # captions of mixed lengths
+    counter = RowCounter(decoder)
+    with torch.inference_mode():
+        out = greedy_search(counter, annotations, max_len=12, **SPECIAL)
+    assert len(set(out.lengths.tolist())) > 1
+    assert counter.rows == [int((out.lengths > t).sum()) for t in range(out.tokens.size(1))]
+
+
+class PerImageTableDecoder(TableDecoder):
+    """Like TableDecoder, with one table per image; the image's number is stored in its annotations."""
+
+    def __init__(self, tables):
+        self.tables = [TableDecoder(t).logits for t in tables]
+
+    def step(self, tokens, state, annotations, keys):
+        images = annotations[:, 0, 0].long().repeat_interleave(tokens.size(0) // annotations.size(0))
+        logits = torch.stack([self.tables[i][w] for i, w in zip(images.tolist(), tokens.tolist(), strict=True)])
+        P = annotations.size(1)
+        return logits, state, annotations.new_full((tokens.size(0), P), 1.0 / P)
+
+
+def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
+    ends_soon = {START: {END: 0.9, A: 0.1}, A: {END: 1.0}}
+    never_ends = {w: {A: 0.5, B: 0.3, C: 0.2} for w in (START, A, B, C)}
+    annotations = torch.arange(2.0).view(2, 1, 1).expand(2, 4, 2)  # image i holds the number i
+    counter = RowCounter(PerImageTableDecoder([ends_soon, never_ends]))
+    out = beam_search(counter, annotations, beam_size=2, max_len=6, **SPECIAL)
+    # Step 1: one <start> row per image. Step 2: two beams each; both beams of image 0 have ended after it.
+    assert counter.rows == [2, 4, 2, 2, 2, 2]
+    assert out.tokens[0].tolist() == [END] + [PAD] * 5 and out.lengths.tolist() == [1, 6]
+    assert out.tokens[1].tolist() == [A] * 6
+    assert out.scores[0].item() == pytest.approx(math.log(0.9), abs=1e-4)

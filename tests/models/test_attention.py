@@ -26,6 +26,35 @@ def test_additive_score_matches_the_formula():
     assert torch.allclose(alpha, torch.softmax(e, dim=1), atol=1e-6)
 
 
+def test_additive_score_and_its_gradients_equal_the_tanh_form():
+    """The scorer computes v.tanh(x) + b as 2v.sigmoid(2x) + b - sum(v), in place: same values, same gradients."""
+    attention = AdditiveAttention(E, D, A)
+    a, h = torch.randn(B, P, E), torch.randn(B, 2, D)  # two hypotheses per image
+    params = list(attention.parameters())
+
+    def grads(score):
+        return torch.autograd.grad(score.square().sum(), params)
+
+    keys = attention.project(a)
+    fast = attention.score(keys, h)
+    reference = attention.v(torch.tanh(attention.project(a).unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
+    assert fast.shape == (B, 2, P)
+    assert torch.allclose(fast, reference, atol=1e-5)
+    for g_fast, g_ref in zip(grads(fast), grads(reference), strict=True):
+        assert torch.allclose(g_fast, g_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 2 * P * A, 2**20])  # one image per piece, two, all at once
+def test_additive_score_built_in_pieces_when_decoding_is_the_same(chunk_elements):
+    attention = AdditiveAttention(E, D, A)
+    attention.chunk_elements = chunk_elements
+    a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
+    with torch.inference_mode():
+        keys = attention.project(a)
+        reference = attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
+        assert torch.allclose(attention.score(keys, h), reference, atol=1e-5)
+
+
 def test_dot_attention_has_no_parameters_when_sizes_match():
     attention = DotAttention(E, E)
     assert sum(p.numel() for p in attention.parameters()) == 0
