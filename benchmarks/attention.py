@@ -10,15 +10,11 @@ call both ways: while decoding (batch 64, beam 3, inference mode) and while trai
 from __future__ import annotations
 
 import torch
-from common import SIZES, machine, result, table, timed
+from common import SIZES, TextbookAdditiveAttention, machine, result, table, timed
 
 from captioner.models.attention import AdditiveAttention
 
 BATCH = 64
-
-
-def textbook(attention: AdditiveAttention, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)  # (B,G,P)
 
 
 def milliseconds(score, attention, keys, h, train: bool) -> float:
@@ -42,7 +38,7 @@ def main() -> None:
             train = mode == "train"
             keys = torch.randn(BATCH, P, A, requires_grad=train)
             h = torch.randn(BATCH, G, D, requires_grad=train)
-            slow = milliseconds(textbook, attention, keys, h, train)
+            slow = milliseconds(TextbookAdditiveAttention.score, attention, keys, h, train)
             fast = milliseconds(AdditiveAttention.score, attention, keys, h, train)
             figures[(sizes, mode)] = slow / fast
             rows.append(

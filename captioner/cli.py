@@ -86,9 +86,9 @@ def _check_config_paths(argv: list[str]) -> None:
             raise ConfigError(f"{path}: config file not found")
 
 
-def run_lightning_cli(argv: list[str]) -> None:
+def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     _check_config_paths(argv)
-    CaptionerCLI(
+    return CaptionerCLI(
         CaptioningModule,
         CaptionDataModule,
         subclass_mode_data=True,
