@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
 
 
@@ -38,6 +39,8 @@ def greedy_search(
 
     The active batch shrinks as captions end: the decoder only runs the captions still being written.
     """
+    if max_len < 1:
+        raise ConfigError(f"max_len must be >= 1, got {max_len}")
     B, P, _ = annotations.shape
     device = annotations.device
     annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K)
@@ -93,8 +96,8 @@ def beam_search(
     """
     B, P, _ = annotations.shape
     K = beam_size
-    if K < 1:
-        raise ValueError(f"beam_size must be >= 1, got {K}")
+    if K < 1 or max_len < 1:
+        raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
     device = annotations.device
     annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
@@ -125,7 +128,7 @@ def beam_search(
         V = log_probs.size(1)
         if carry is None:
             if K > V:
-                raise ValueError(f"beam_size ({K}) cannot exceed the vocabulary size ({V})")
+                raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
             carry = torch.full((V,), float("-inf"), device=device)
             carry[pad_index] = 0.0
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated

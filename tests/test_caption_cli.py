@@ -44,3 +44,12 @@ def test_missing_path_is_reported_and_fails(tiny_model, tmp_path):
     result = run(str(tmp_path / "missing.jpg"), "--checkpoint", tiny_model)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jpg'}: file not found"
+
+
+def test_impossible_decoding_settings_are_one_line(tiny_model, tmp_path):
+    image = write_good_images(tmp_path / "x")[0]
+    for args, message in ((["--beam-size", "100000"], "larger than the vocabulary"), (["--max-len", "0"], "max_len")):
+        result = run(str(image), "--checkpoint", tiny_model, *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ") and message in line
