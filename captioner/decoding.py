@@ -58,7 +58,7 @@ def greedy_search(
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
         best, tokens = log_probs.max(dim=-1)  # (N,), (N,)
         out_tokens[alive, t] = tokens
-        out_alphas[alive, t] = alpha
+        out_alphas[alive, t] = alpha.to(out_alphas.dtype)  # index_put needs one dtype (autocast may differ)
         scores.index_add_(0, alive, best)
         lengths[alive] += 1
         steps = t + 1
