@@ -25,12 +25,9 @@ class NaiveDecoder(AttentionDecoder):
     """The tutorials' loop: W a recomputed at every step, every caption run to the longest length, and the
     textbook tanh scorer."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        attention = TextbookAdditiveAttention(
-            self.attention.W.in_features, self.L_h.in_features, self.attention.U.out_features
-        )
-        self.attention = attention
+    def __init__(self, vocab_size: int, encoder_dim: int, **kwargs):
+        super().__init__(vocab_size, encoder_dim, **kwargs)
+        self.attention = TextbookAdditiveAttention(encoder_dim, kwargs["decoder_dim"], kwargs["attention_dim"])
 
     def forward(self, annotations, captions, lengths):
         h, c = self.init_state(annotations)
