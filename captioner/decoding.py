@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +19,15 @@ class Generation:
     lengths: (B,) number of real tokens in each row, <end> included.
     scores: (B,) sum of the log-probabilities of the real tokens.
     alphas: (B,T,P) attention of each generated token, zero after the end.
+    decoder_rows: rows the decoder ran at each step (captions, or hypotheses, still being written): what the
+        shrinking batch saves, for profiling.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     scores: torch.Tensor
     alphas: torch.Tensor
+    decoder_rows: list[int] = field(default_factory=list)
 
 
 def greedy_search(
@@ -51,8 +54,9 @@ def greedy_search(
     out_alphas = annotations.new_zeros(B, max_len, P)
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
-    steps = 0
+    steps, decoder_rows = 0, []
     for t in range(max_len):
+        decoder_rows.append(tokens.size(0))
         logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
         log_probs = F.log_softmax(logits.float(), dim=-1)
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
@@ -69,7 +73,7 @@ def greedy_search(
             keep = running.nonzero().squeeze(1)
             alive, tokens, h, c = alive[keep], tokens[keep], h[keep], c[keep]
             annotations, keys = annotations[keep], keys[keep]
-    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
+    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps], decoder_rows)
 
 
 def beam_search(
@@ -121,8 +125,10 @@ def beam_search(
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
     input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
     carry = None  # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
+    decoder_rows = []
     for _ in range(max_len):
         A, G = scores.shape
+        decoder_rows.append(A * G)
         logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
         log_probs = F.log_softmax(logits.float(), dim=-1)
         V = log_probs.size(1)
@@ -188,4 +194,4 @@ def beam_search(
         out_tokens[:, t] = record_tokens[t][row]
         out_alphas[:, t] = record_alphas[t][row]
         row = record_parents[t][row]
-    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas)
+    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas, decoder_rows)

@@ -118,6 +118,7 @@ def test_greedy_runs_only_the_captions_still_being_written():
         out = greedy_search(counter, annotations, max_len=12, **SPECIAL)
     assert len(set(out.lengths.tolist())) > 1
     assert counter.rows == [int((out.lengths > t).sum()) for t in range(out.tokens.size(1))]
+    assert out.decoder_rows == counter.rows
 
 
 class PerImageTableDecoder(TableDecoder):
@@ -141,6 +142,7 @@ def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
     out = beam_search(counter, annotations, beam_size=2, max_len=6, **SPECIAL)
     # Step 1: one <start> row per image. Step 2: two beams each; both beams of image 0 have ended after it.
     assert counter.rows == [2, 4, 2, 2, 2, 2]
+    assert out.decoder_rows == counter.rows
     assert out.tokens[0].tolist() == [END] + [PAD] * 5 and out.lengths.tolist() == [1, 6]
     assert out.tokens[1].tolist() == [A] * 6
     assert out.scores[0].item() == pytest.approx(math.log(0.9), abs=1e-4)
