@@ -28,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 from captioner.data.datamodules import CaptionDataModule
 from captioner.errors import CaptionerError, ConfigError
 from captioner.lit_module import CaptioningModule
+from captioner.runtime import keep_freed_memory
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
@@ -252,6 +253,7 @@ def export_model(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    keep_freed_memory()  # see captioner.runtime; CAPTIONER_KEEP_FREED_MEMORY=0 turns it off
     try:
         command = argv[0] if argv else None
         if command == "demo":
