@@ -15,7 +15,6 @@ set CAPTIONER_KEEP_FREED_MEMORY=0 to leave malloc alone. Python users may call i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -33,13 +32,11 @@ def keep_freed_memory() -> bool:
     """
     if os.environ.get("CAPTIONER_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
+    except (OSError, AttributeError):  # no mallopt: not glibc
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # Both together: setting either one turns off glibc's adaptive thresholds, so setting only the trim threshold
-    # would leave every block above 128 KiB to mmap.
+    # Both or neither: setting either one turns off glibc's adaptive thresholds, so the trim threshold alone would
+    # leave every block above 128 KiB to mmap. `and` skips it when the mmap threshold is refused (returns 0).
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
