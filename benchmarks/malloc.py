@@ -19,7 +19,7 @@ import sys
 
 import torch
 from common import SIZES, machine, result, table, timed
-from decode import SPECIAL
+from decode import MAX_LEN, SPECIAL
 from train_step import trainer
 
 from captioner.decoding import beam_search
@@ -27,7 +27,6 @@ from captioner.models.decoder import AttentionDecoder
 from captioner.runtime import keep_freed_memory
 
 ROUNDS = 4
-MAX_LEN = 16
 
 
 def faults(fn) -> int:
