@@ -3,7 +3,8 @@
     python benchmarks/caption_cli.py
 
 The images are drawn shapes images saved as JPEG in a temporary folder; the command runs with the bundled model,
-beam 3, batch 16. Peak memory is the maximum resident set size of the command's process (from wait4).
+beam 3, batch 16. Peak memory is the maximum resident set size of the command's process (from wait4). The 512
+images are captioned a second time with `--precision bf16-mixed` (see benchmarks/precision.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from common import machine, result, table
 from captioner.data.shapes import ShapesDataset
 
 
-def run(folder: Path) -> tuple[float, float]:
+def run(folder: Path, precision: str = "32-true") -> tuple[float, float]:
     """(wall seconds, peak RSS in MiB) of one `captioner caption` run."""
     command = [sys.executable, "-m", "captioner.cli", "caption", str(folder), "--beam-size", "3", "--batch-size", "16"]
+    command += ["--precision", precision]
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(process.pid, 0)
@@ -36,16 +38,18 @@ def main() -> None:
     shapes = ShapesDataset("test", 512, seed=2)
     rows, figures = [], {}
     with tempfile.TemporaryDirectory() as root:
-        for count in (32, 512):
+        for count, precision in ((32, "32-true"), (512, "32-true"), (512, "bf16-mixed")):
             folder = Path(root) / str(count)
-            folder.mkdir()
-            for i in range(count):
-                shapes.load_image(i).save(folder / f"{i:04d}.jpg", quality=90)
-            seconds, peak = run(folder)
-            figures[count] = (seconds, peak)
+            if not folder.exists():
+                folder.mkdir()
+                for i in range(count):
+                    shapes.load_image(i).save(folder / f"{i:04d}.jpg", quality=90)
+            seconds, peak = run(folder, precision)
+            figures[count, precision] = (seconds, peak)
             rows.append(
                 {
                     "images": count,
+                    "precision": precision,
                     "wall s": f"{seconds:.1f}",
                     "images/s": f"{count / seconds:.1f}",
                     "peak RSS MiB": f"{peak:.0f}",
@@ -53,14 +57,16 @@ def main() -> None:
             )
     print(f"bundled shapes model, beam 3, batch 16; {machine()}\n")
     print(table(rows))
-    growth = figures[512][1] / figures[32][1] - 1
+    small, large, bf16 = figures[32, "32-true"], figures[512, "32-true"], figures[512, "bf16-mixed"]
     print(
         result(
-            wall_32_s=f"{figures[32][0]:.1f}",
-            wall_512_s=f"{figures[512][0]:.1f}",
-            peak_32_mib=f"{figures[32][1]:.0f}",
-            peak_512_mib=f"{figures[512][1]:.0f}",
-            peak_growth=f"{growth:.1%}",
+            wall_32_s=f"{small[0]:.1f}",
+            wall_512_s=f"{large[0]:.1f}",
+            peak_32_mib=f"{small[1]:.0f}",
+            peak_512_mib=f"{large[1]:.0f}",
+            peak_growth=f"{large[1] / small[1] - 1:.1%}",
+            wall_512_bf16_s=f"{bf16[0]:.1f}",
+            bf16_speedup_512=f"{large[0] / bf16[0]:.2f}",
         )
     )
 

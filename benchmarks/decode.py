@@ -25,6 +25,7 @@ from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.decoding import beam_search, greedy_search
 from captioner.models.decoder import AttentionDecoder
+from captioner.precision import autocast
 
 MAX_LEN = 16
 BATCHES = (1, 16, 64)
@@ -32,9 +33,9 @@ ROUNDS = 3
 SPECIAL = {"start_index": 1, "end_index": 2, "pad_index": 0}
 
 
-def seconds_per_batch(decoder, annotations, beam: int) -> float:
+def seconds_per_batch(decoder, annotations, beam: int, precision: str = "32-true") -> float:
     def run():
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(precision, annotations.device):
             if beam == 1:
                 greedy_search(decoder, annotations, max_len=MAX_LEN, **SPECIAL)
             else:

@@ -24,6 +24,7 @@ from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
 from captioner.models.show_attend_tell import ShowAttendTell
+from captioner.precision import autocast, check_precision
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}
@@ -58,18 +59,36 @@ def _read(path: Path) -> dict:
 
 
 class Captioner:
-    """A ShowAttendTell model with its vocabulary, ready to caption images."""
+    """A ShowAttendTell model with its vocabulary, ready to caption images.
 
-    def __init__(self, model: ShowAttendTell, vocab: Vocabulary, device: torch.device | str | None = None):
+    `device` defaults to CUDA when present. `precision` is "32-true" (default), "bf16-mixed" or "16-mixed": the
+    encoder and the search run under autocast to that type (see `captioner.precision`); the weights stay float32,
+    and the scores and attention maps returned are float32.
+    """
+
+    def __init__(
+        self,
+        model: ShowAttendTell,
+        vocab: Vocabulary,
+        device: torch.device | str | None = None,
+        precision: str = "32-true",
+    ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = check_precision(precision)
         self.model = model.eval().to(self.device)
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()
 
     @classmethod
-    def load(cls, checkpoint: str | Path = "shapes", device: torch.device | str | None = None) -> Captioner:
+    def load(
+        cls,
+        checkpoint: str | Path = "shapes",
+        device: torch.device | str | None = None,
+        precision: str = "32-true",
+    ) -> Captioner:
         """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
         checkpoint (.ckpt)."""
+        check_precision(precision)  # before reading a large checkpoint
         path = BUNDLED.get(str(checkpoint), Path(checkpoint))
         if str(checkpoint) in BUNDLED and not path.exists():
             raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
@@ -97,7 +116,7 @@ class Captioner:
             missing = set(model.state_dict()) - set(weights)
             if any(not k.startswith("encoder.") for k in missing):
                 raise CaptionerError(f"{path}: decoder weights are incomplete")
-        return cls(model, Vocabulary(vocab), device)
+        return cls(model, Vocabulary(vocab), device, precision)
 
     def iter_captions(
         self,
@@ -151,14 +170,15 @@ class Captioner:
         if not batch:
             return
         x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
-        out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
+        with autocast(self.precision, self.device):
+            out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
         for (source, image), tokens, score, alphas in zip(batch, out.tokens, out.scores, out.alphas, strict=True):
             words = self.vocab.decode_tokens(tokens.tolist())
             yield CaptionResult(
                 source=source,
                 text=" ".join(words),
                 tokens=words,
-                alphas=alphas[: len(words)].float().cpu(),
+                alphas=alphas[: len(words)].cpu(),
                 score=float(score),
                 grid_hw=self.model.encoder.grid_hw,
                 image=image,

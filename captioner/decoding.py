@@ -18,7 +18,7 @@ class Generation:
     tokens: (B,T) word ids after <start>, up to and including <end> when it was produced, then <pad> (0).
     lengths: (B,) number of real tokens in each row, <end> included.
     scores: (B,) sum of the log-probabilities of the real tokens.
-    alphas: (B,T,P) attention of each generated token, zero after the end.
+    alphas: (B,T,P) attention of each generated token, zero after the end; float32, also under autocast.
     decoder_rows: rows the decoder ran at each step (captions, or hypotheses, still being written): what the
         shrinking batch saves, for profiling.
     """
@@ -51,7 +51,7 @@ def greedy_search(
     alive = torch.arange(B, device=device)  # the captions still being written, and the rows of h, c, annotations
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
     out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
-    out_alphas = annotations.new_zeros(B, max_len, P)
+    out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     steps, decoder_rows = 0, []
@@ -62,7 +62,7 @@ def greedy_search(
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
         best, tokens = log_probs.max(dim=-1)  # (N,), (N,)
         out_tokens[alive, t] = tokens
-        out_alphas[alive, t] = alpha.to(out_alphas.dtype)  # index_put needs one dtype (autocast may differ)
+        out_alphas[alive, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
         scores.index_add_(0, alive, best)
         lengths[alive] += 1
         steps = t + 1
@@ -188,7 +188,7 @@ def beam_search(
     choice = ranking.argmax(dim=1) + torch.arange(B, device=device) * K  # (B,) record rows of the winners
     steps = len(record_tokens)
     out_tokens = torch.empty(B, steps, dtype=torch.long, device=device)
-    out_alphas = annotations.new_empty(B, steps, P)
+    out_alphas = torch.empty(B, steps, P, device=device)  # float32, also under autocast
     row = choice
     for t in reversed(range(steps)):  # follow the back-pointers from the last word to the first
         out_tokens[:, t] = record_tokens[t][row]

@@ -128,5 +128,13 @@ def test_evaluate_writes_every_metric_and_coco_results(tmp_path, capsys):
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
     assert set(metrics) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}
     assert all(v >= 0.0 for v in metrics.values())
-    assert json.loads((tmp_path / "out/captions.json").read_text())[0]["image_id"] == 104
+    captions = json.loads((tmp_path / "out/captions.json").read_text())
+    assert captions[0]["image_id"] == 104
     assert "SPICE: skipped" in capsys.readouterr().out
+
+    # The same under autocast to bfloat16: every image is still captioned (the data loading stays float32).
+    args = ["--config", str(tmp_path / "eval.yaml"), "--checkpoint", str(tmp_path / "ckpt/last.ckpt")]
+    main(["evaluate", *args, "--precision", "bf16-mixed", "--output", str(tmp_path / "bf16")])
+    bf16 = json.loads((tmp_path / "bf16/captions.json").read_text())
+    assert [c["image_id"] for c in bf16] == [c["image_id"] for c in captions]
+    assert all(c["caption"].strip() for c in bf16)

@@ -1,0 +1,146 @@
+"""bf16-mixed against float32 for captioning on this CPU: speed, and how many captions change.
+
+    python benchmarks/precision.py
+
+First table: the bundled shapes model on 256 shapes test images, batch 64, beam 3, in the two parts that
+`Captioner` (and `captioner caption --precision`) runs: the encoder on preprocessed tensors, then the search on the
+annotations it gave (bfloat16 ones under bf16-mixed). Each figure is the fastest of ROUNDS rounds in which the
+precisions take turns.
+BLEU-4 (nltk, the same as test/bleu4) is against the five references of each image, and "same captions" counts the
+captions identical to float32's.
+
+Second table: decode.py's setting (random decoder, `<end>` suppressed, 16 steps, float32 annotations as from the
+feature cache), beam 3 at batch 1 and 64 under each precision, and the per-image gain of batch 64.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from common import SIZES, machine, result, table
+from decode import SPECIAL, seconds_per_batch
+
+from captioner.api import Captioner
+from captioner.data.shapes import ShapesDataset
+from captioner.data.vocab import tokenize
+from captioner.decoding import beam_search
+from captioner.metrics import bleu
+from captioner.models.decoder import AttentionDecoder
+from captioner.precision import autocast
+
+N, BATCH, BEAM, ROUNDS = 256, 64, 3, 3
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def native_bf16() -> str:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16"})) or "none"
+
+
+def clock(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def trained_model() -> tuple[list[dict], dict]:
+    captioner = Captioner.load("shapes", device="cpu")
+    model = captioner.model
+    dataset = ShapesDataset("test", N, seed=0)
+    batches = torch.stack([captioner.transform(dataset.load_image(i)) for i in range(N)]).split(BATCH)
+    references = [[tokenize(text) for text in dataset.captions(i)] for i in range(N)]
+    special = {"start_index": model.start_index, "end_index": model.end_index, "pad_index": model.pad_index}
+
+    def search(encoded: list[torch.Tensor]) -> list:
+        return [beam_search(model.decoder, annotations, beam_size=BEAM, **special) for annotations in encoded]
+
+    encode_s, search_s = dict.fromkeys(PRECISIONS, float("inf")), dict.fromkeys(PRECISIONS, float("inf"))
+    captions = {}
+    for _ in range(ROUNDS):
+        for precision in PRECISIONS:
+            with torch.inference_mode(), autocast(precision, "cpu"):
+                seconds, encoded = clock(lambda: [model.annotate(images=x) for x in batches])
+                encode_s[precision] = min(encode_s[precision], seconds)
+                seconds, out = clock(partial(search, encoded))
+                search_s[precision] = min(search_s[precision], seconds)
+            captions[precision] = [captioner.vocab.decode_tokens(t) for g in out for t in g.tokens.tolist()]
+    rows = []
+    for precision in PRECISIONS:
+        same = sum(a == b for a, b in zip(captions[precision], captions["32-true"], strict=True))
+        rows.append(
+            {
+                "precision": precision,
+                "encoder images/s": f"{N / encode_s[precision]:.1f}",
+                "search images/s": f"{N / search_s[precision]:.1f}",
+                "both images/s": f"{N / (encode_s[precision] + search_s[precision]):.1f}",
+                "BLEU-4": f"{bleu(captions[precision], references):.4f}",
+                "same captions": f"{same}/{N}",
+            }
+        )
+    figures = {
+        "encoder": encode_s["32-true"] / encode_s["bf16-mixed"],
+        "search": search_s["32-true"] / search_s["bf16-mixed"],
+        "same": rows[1]["same captions"],
+    }
+    return rows, figures
+
+
+def batching_gain(sizes: str) -> tuple[list[dict], dict]:
+    P, E, D, A, M, V = SIZES[sizes]
+    torch.manual_seed(0)
+    decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A).eval()
+    decoder.L_o.bias.data[SPECIAL["end_index"]] = -1e4
+    inputs = {1: torch.randn(1, P, E), 64: torch.randn(64, P, E)}
+    best = {}
+    for _ in range(ROUNDS):
+        for precision in PRECISIONS:
+            for batch, encoded in inputs.items():
+                seconds = seconds_per_batch(decoder, encoded, BEAM, precision)
+                best[precision, batch] = min(best.get((precision, batch), float("inf")), seconds)
+    rows, gains = [], {}
+    for precision in PRECISIONS:
+        gains[precision] = 64 * best[precision, 1] / best[precision, 64]
+        rows.append(
+            {
+                "sizes": sizes,
+                "precision": precision,
+                "batch 1 images/s": f"{1 / best[precision, 1]:.1f}",
+                "batch 64 images/s": f"{64 / best[precision, 64]:.1f}",
+                "batch 64 over batch 1": f"{gains[precision]:.1f}",
+            }
+        )
+    return rows, gains
+
+
+def main() -> None:
+    print(f"{machine()}; native bf16: {native_bf16()}\n")
+    rows, trained = trained_model()
+    print(f"Bundled shapes model, {N} test images, batch {BATCH}, beam {BEAM}:\n")
+    print(table(rows))
+    gain_rows, gains = [], {}
+    for sizes in ("shapes", "paper"):
+        more, gains[sizes] = batching_gain(sizes)
+        gain_rows += more
+    print(f"\nRandom decoder, beam {BEAM}, 16 steps (decode.py's setting):\n")
+    print(table(gain_rows))
+    print(
+        result(
+            bf16_encoder_speedup=f"{trained['encoder']:.2f}",
+            bf16_search_speedup=f"{trained['search']:.2f}",
+            bf16_same_captions=trained["same"],
+            shapes_beam3_b64_over_b1_32=f"{gains['shapes']['32-true']:.1f}",
+            shapes_beam3_b64_over_b1_bf16=f"{gains['shapes']['bf16-mixed']:.1f}",
+            paper_beam3_b64_over_b1_32=f"{gains['paper']['32-true']:.1f}",
+            paper_beam3_b64_over_b1_bf16=f"{gains['paper']['bf16-mixed']:.1f}",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
