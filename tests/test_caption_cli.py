@@ -64,3 +64,16 @@ def test_precision_option(tiny_model, tmp_path):
     result = run(str(image), "--checkpoint", tiny_model, "--precision", "fp8")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "argument --precision: invalid choice: 'fp8'" in result.stderr.splitlines()[-1]
+
+
+def test_captioning_imports_neither_lightning_nor_nltk(tiny_model, tmp_path):
+    """They take seconds to import, and `captioner caption` needs neither (benchmarks/caption_cli.py times start-up)."""
+    image = write_good_images(tmp_path / "x")[0]
+    code = (
+        "import sys; from captioner.cli import caption; "
+        f"status = caption([{str(image)!r}, '--checkpoint', {tiny_model!r}]); "
+        "print(status, [m for m in ('lightning', 'nltk') if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "0 []"

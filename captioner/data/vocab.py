@@ -5,20 +5,25 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from functools import cache
 from pathlib import Path
-
-from nltk.tokenize import RegexpTokenizer
 
 from captioner.errors import CaptionerError
 
-# Words and numbers, keeping inner apostrophes ("man's"); punctuation is dropped, as in the usual COCO preprocessing.
-# A RegexpTokenizer needs no downloaded nltk data (word_tokenize needs punkt).
-_TOKENIZER = RegexpTokenizer(r"[a-z0-9]+(?:'[a-z]+)*")
+
+@cache
+def _tokenizer():
+    # Imported on first use: nltk takes about a second to import, and captioning images never tokenizes.
+    from nltk.tokenize import RegexpTokenizer
+
+    # Words and numbers, keeping inner apostrophes ("man's"); punctuation is dropped, as in the usual COCO
+    # preprocessing. A RegexpTokenizer needs no downloaded nltk data (word_tokenize needs punkt).
+    return RegexpTokenizer(r"[a-z0-9]+(?:'[a-z]+)*")
 
 
 def tokenize(text: str) -> list[str]:
     """Lowercase and split a caption into words: "A red Circle, left." -> ["a", "red", "circle", "left"]."""
-    return _TOKENIZER.tokenize(text.lower())
+    return _tokenizer().tokenize(text.lower())
 
 
 class Vocabulary:
