@@ -7,9 +7,10 @@
 `trainer.precision` does in `captioner fit/validate/test/predict`, here for `Captioner` and for `captioner caption`
 and `captioner evaluate`. The weights stay float32; autocast casts them, per op, once per `with` block.
 
-On a CPU with native bfloat16 (AVX512-BF16 or AMX; `lscpu | grep bf16`), "bf16-mixed" made the encoder about twice
-as fast and batched beam search about 1.3x, and changed a few captions (`benchmarks/precision.py`). A CPU without
-native bfloat16 emulates it, and may be slower than float32. "16-mixed" is meant for GPUs.
+On this project's 2-core CPU, which has native bfloat16 (AVX512-BF16; `lscpu | grep bf16`), "bf16-mixed" made the
+encoder 2.1-2.2x as fast, batch-64 beam search 1.0-1.3x, single-image decoding slower at small decoder sizes, and
+changed 20 of 256 shapes test captions (`benchmarks/precision.py`, docs/benchmarks.md). A CPU without native
+bfloat16 emulates it, and may be slower than float32. "16-mixed" is meant for GPUs.
 """
 
 from __future__ import annotations
