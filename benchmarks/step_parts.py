@@ -7,7 +7,8 @@ table times the whole call with one part of every step replaced by something nea
 zeros; the whole attention by a uniform one and a zero context; the LSTM cell by its input state), so the time a part
 saves is its cost inside the step. The outputs are meaningless then; only the time counts. The additive scorer is
 also timed alone on the same inputs. The second table varies `AdditiveAttention.chunk_elements`, the size of the
-pieces the scorer builds when decoding. The variants take turns over ROUNDS rounds; each figure is the fastest call.
+pieces the scorer builds when decoding, at the shapes and the paper's sizes, for beam 3 at batch 64 and at batch 1.
+The variants take turns over ROUNDS rounds; each figure is the fastest call.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from captioner.models.attention import AdditiveAttention, Attention
 from captioner.models.decoder import AttentionDecoder
 
 B, BEAM, ROUNDS = 64, 3, 6
-CHUNKS = (14, 16, 18, 20, 22, 24)  # log2 of chunk_elements
+CHUNKS = (16, 18, 20, 22, 24, 26)  # log2 of chunk_elements
 
 
 def zero_scores(self, keys, h):
@@ -46,16 +47,31 @@ def fastest(variants: dict, run) -> dict[str, float]:
     return best
 
 
-def main() -> None:
-    P, E, D, A, M, V = SIZES["shapes"]
+def decoder_and_call(sizes: str, batch: int):
+    """decode.py's random decoder at `sizes`, and a function that runs one beam-3 call on `batch` images."""
+    P, E, D, A, M, V = SIZES[sizes]
     torch.manual_seed(0)
     decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A).eval()
     decoder.L_o.bias.data[SPECIAL["end_index"]] = -1e4  # never emit <end>: every call decodes MAX_LEN steps
-    annotations = torch.randn(B, P, E)
+    annotations = torch.randn(batch, P, E)
 
     def run():
         with torch.inference_mode():
             beam_search(decoder, annotations, beam_size=BEAM, max_len=MAX_LEN, **SPECIAL)
+
+    return decoder, annotations, run
+
+
+def chunk_sweep(sizes: str, batch: int) -> dict[int, float]:
+    _, _, run = decoder_and_call(sizes, batch)
+    run()
+    variants = {n: lambda n=n: patch.object(AdditiveAttention, "chunk_elements", 2**n) for n in CHUNKS}
+    return {n: batch / s for n, s in fastest(variants, run).items()}
+
+
+def main() -> None:
+    D = SIZES["shapes"][2]
+    decoder, annotations, run = decoder_and_call("shapes", B)
 
     parts = fastest(
         {
@@ -85,8 +101,16 @@ def main() -> None:
         f"{1e3 * scorer_alone:.2f} ms timed alone (batch {B} x {BEAM} hypotheses)\n"
     )
 
-    chunks = fastest({n: lambda n=n: patch.object(AdditiveAttention, "chunk_elements", 2**n) for n in CHUNKS}, run)
-    print(table([{"chunk_elements": f"2^{n}", "images/s": f"{B / s:.0f}"} for n, s in chunks.items()]))
+    sweep_rows, best_chunk = [], {}
+    for sizes in ("shapes", "paper"):
+        for batch in (B, 1):
+            speeds = chunk_sweep(sizes, batch)
+            best_chunk[sizes, batch] = max(speeds, key=speeds.get)
+            row = {"sizes": sizes, "batch": batch}
+            row |= {f"2^{n}": f"{v:.1f}" if v < 100 else f"{v:.0f}" for n, v in speeds.items()}
+            sweep_rows.append(row)
+    print(f"beam {BEAM}, images/s by chunk_elements (the default is 2^20):\n")
+    print(table(sweep_rows))
     print(
         result(
             whole_ms=f"{1e3 * whole:.0f}",
@@ -95,7 +119,10 @@ def main() -> None:
             scorer_share=f"{1 - parts['additive scores'] / whole:.2f}",
             scorer_in_step_ms=f"{1e3 * scorer_in_step:.2f}",
             scorer_alone_ms=f"{1e3 * scorer_alone:.2f}",
-            best_chunk=f"2^{min(chunks, key=chunks.get)}",
+            best_chunk_shapes_b64=f"2^{best_chunk['shapes', B]}",
+            best_chunk_shapes_b1=f"2^{best_chunk['shapes', 1]}",
+            best_chunk_paper_b64=f"2^{best_chunk['paper', B]}",
+            best_chunk_paper_b1=f"2^{best_chunk['paper', 1]}",
         )
     )
 
