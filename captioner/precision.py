@@ -10,12 +10,14 @@ and `captioner evaluate`. The weights stay float32; autocast casts them, per op,
 On this project's 2-core CPU, which has native bfloat16 (AVX512-BF16; `lscpu | grep bf16`), "bf16-mixed" made the
 encoder 2.1-2.2x as fast, batch-64 beam search 1.0-1.3x, single-image decoding slower at small decoder sizes, and
 changed 20 of 256 shapes test captions (`benchmarks/precision.py`, docs/benchmarks.md). A CPU without native
-bfloat16 emulates it, and may be slower than float32. "16-mixed" is meant for GPUs.
+bfloat16 emulates it, and may be slower than float32. "16-mixed" is meant for GPUs: on a CPU it runs as
+"bf16-mixed", with a warning, as Lightning's Trainer does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -31,8 +33,17 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def resolve(precision: str, device: torch.device | str) -> str:
+    """The precision that runs on `device`: "16-mixed" becomes "bf16-mixed" on a CPU, as in Lightning's Trainer."""
+    if check_precision(precision) == "16-mixed" and torch.device(device).type == "cpu":
+        warnings.warn("16-mixed (float16 AMP) is not supported on CPU; using bf16-mixed instead", stacklevel=3)
+        return "bf16-mixed"
+    return precision
+
+
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
     """The context to run a forward pass in at `precision` on `device`."""
-    if check_precision(precision) == "32-true":
+    precision = resolve(precision, device)
+    if precision == "32-true":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=_DTYPES[precision])
