@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from common import SIZES, machine, result, table
-from decode import SPECIAL, seconds_per_batch
+from decode import MAX_LEN, SPECIAL, seconds_per_batch
 
 from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
@@ -127,7 +127,7 @@ def main() -> None:
     for sizes in ("shapes", "paper"):
         more, gains[sizes] = batching_gain(sizes)
         gain_rows += more
-    print(f"\nRandom decoder, beam {BEAM}, 16 steps (decode.py's setting):\n")
+    print(f"\nRandom decoder, beam {BEAM}, {MAX_LEN} steps (decode.py's setting):\n")
     print(table(gain_rows))
     print(
         result(
