@@ -21,14 +21,13 @@ from pathlib import Path
 
 import torch
 from common import SIZES, machine, result, table
-from decode import MAX_LEN, SPECIAL, seconds_per_batch
+from decode import MAX_LEN, random_decoder, seconds_per_batch
 
 from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import tokenize
 from captioner.decoding import beam_search
 from captioner.metrics import bleu
-from captioner.models.decoder import AttentionDecoder
 from captioner.precision import autocast
 
 N, BATCH, BEAM, ROUNDS = 256, 64, 3, 3
@@ -92,10 +91,8 @@ def trained_model() -> tuple[list[dict], dict]:
 
 
 def batching_gain(sizes: str) -> tuple[list[dict], dict]:
-    P, E, D, A, M, V = SIZES[sizes]
-    torch.manual_seed(0)
-    decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A).eval()
-    decoder.L_o.bias.data[SPECIAL["end_index"]] = -1e4
+    P, E = SIZES[sizes][:2]
+    decoder = random_decoder(sizes)
     inputs = {1: torch.randn(1, P, E), 64: torch.randn(64, P, E)}
     best = {}
     for _ in range(ROUNDS):

@@ -18,11 +18,10 @@ from unittest.mock import patch
 
 import torch
 from common import SIZES, machine, result, table, timed
-from decode import MAX_LEN, SPECIAL
+from decode import MAX_LEN, SPECIAL, random_decoder
 
 from captioner.decoding import beam_search
 from captioner.models.attention import AdditiveAttention, Attention
-from captioner.models.decoder import AttentionDecoder
 
 B, BEAM, ROUNDS = 64, 3, 6
 CHUNKS = (16, 18, 20, 22, 24, 26)  # log2 of chunk_elements
@@ -49,10 +48,8 @@ def fastest(variants: dict, run) -> dict[str, float]:
 
 def decoder_and_call(sizes: str, batch: int):
     """decode.py's random decoder at `sizes`, and a function that runs one beam-3 call on `batch` images."""
-    P, E, D, A, M, V = SIZES[sizes]
-    torch.manual_seed(0)
-    decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A).eval()
-    decoder.L_o.bias.data[SPECIAL["end_index"]] = -1e4  # never emit <end>: every call decodes MAX_LEN steps
+    P, E = SIZES[sizes][:2]
+    decoder = random_decoder(sizes)
     annotations = torch.randn(batch, P, E)
 
     def run():
