@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from collections.abc import Callable
 
@@ -29,8 +30,8 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, best: bool = False) -> float:
-    """Median seconds per call, or the fastest call with best=True."""
+def samples(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls, after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -38,7 +39,13 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, best: bool = 
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times) if best else sorted(times)[len(times) // 2]
+    return times
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, best: bool = False) -> float:
+    """Median seconds per call, or the fastest call with best=True."""
+    times = samples(fn, repeats, warmup)
+    return min(times) if best else statistics.median(times)
 
 
 def table(rows: list[dict]) -> str:

@@ -3,9 +3,12 @@
     python benchmarks/decode.py
 
 Runs under torch.inference_mode with a randomly initialised decoder and a fixed max_len, so every configuration
-decodes the same number of steps (an untrained model rarely ends early) and only the batching differs. Each figure
-is the fastest of several calls, over three rounds in which the batch sizes take turns: on a shared machine the
-noise only ever slows a call down, and the ratios compare batch sizes measured under the same conditions.
+decodes the same number of steps (an untrained model rarely ends early) and only the batching differs. Every batch
+size gets the same number of timed calls, over three rounds in which the batch sizes take turns, so that a slow
+spell of the shared machine hits them all. The table gives the fastest call (noise only ever slows a call down) and
+the median call (what a run typically gets). The same number of calls matters for the fastest one: the fastest of
+many noisy calls is faster than the fastest of a few, and an earlier version, which timed 32 images per round (96
+calls at batch 1 against 6 at batch 64), favoured batch 1 (docs/benchmarks.md, Decoding).
 
 A second table uses the bundled shapes model on 64 test images, where captions end at different steps: it counts
 the rows the decoder ran against the rows of a fixed-shape search (every hypothesis of every image run to the
@@ -14,12 +17,18 @@ last step), which is what the shrinking batch saves.
 A third table times the largest matmul of a step, the LSTM input projection, for 1 to 5 rows (at batch 1 a beam of
 K runs K rows, and on this machine's BLAS a few rows do not cost the same as one) and for the 192 rows of beam 3 at
 batch 64: how much batching can gain on the kernel that takes the largest share of a batch-64 step.
+
+A fourth table counts the matmul work of one beam-3 call (torch.utils.flop_counter) and compares its time with the
+rate this machine reaches on one large matmul: how far each batch size is from being bound by arithmetic alone.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import torch
-from common import SIZES, machine, result, table, timed
+from common import SIZES, machine, result, samples, table, timed
+from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
@@ -30,6 +39,7 @@ from captioner.precision import autocast
 MAX_LEN = 16
 BATCHES = (1, 16, 64)
 ROUNDS = 3
+CALLS = 4  # timed calls per round, the same for every batch size
 SPECIAL = {"start_index": 1, "end_index": 2, "pad_index": 0}
 
 
@@ -43,7 +53,9 @@ def random_decoder(sizes: str) -> AttentionDecoder:
     return decoder
 
 
-def seconds_per_batch(decoder, annotations, beam: int, precision: str = "32-true") -> float:
+def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", calls: int = CALLS) -> list[float]:
+    """Seconds of each of `calls` searches of the whole batch, after one untimed."""
+
     def run():
         with torch.inference_mode(), autocast(precision, annotations.device):
             if beam == 1:
@@ -51,7 +63,7 @@ def seconds_per_batch(decoder, annotations, beam: int, precision: str = "32-true
             else:
                 beam_search(decoder, annotations, beam_size=beam, max_len=MAX_LEN, **SPECIAL)
 
-    return timed(run, repeats=max(2, 32 // annotations.size(0)), best=True)
+    return samples(run, repeats=calls)
 
 
 def trained_model_rows(batch: int = 64, max_len: int = 30) -> list[dict]:
@@ -109,6 +121,38 @@ def lstm_input_rows(sizes: str, beam_b64_seconds: float) -> dict:
     return row
 
 
+def large_matmul_gflops(n: int = 2048) -> float:
+    """The machine's matmul rate: the fastest of 10 (n x n) @ (n x n) products."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / timed(lambda: a @ b, repeats=10, warmup=2, best=True) / 1e9
+
+
+def matmul_work_rows(figures: dict, peak_gflops: float) -> list[dict]:
+    """Per beam-3 call at batch 1 and 64: matmul GFLOP, the time those take at the large-matmul rate, and the share
+    of the fastest measured call (first table) that this floor explains."""
+    rows = []
+    for sizes in ("shapes", "paper"):
+        P, E = SIZES[sizes][:2]
+        decoder = random_decoder(sizes)
+        for batch in (1, 64):
+            with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+                beam_search(decoder, torch.randn(batch, P, E), beam_size=3, max_len=MAX_LEN, **SPECIAL)
+            gflop = counter.get_total_flops() / 1e9
+            measured = batch / figures[(sizes, 3, batch)]
+            rows.append(
+                {
+                    "sizes": sizes,
+                    "batch": batch,
+                    "matmul GFLOP per call": f"{gflop:.3f}",
+                    "ms at the large-matmul rate": f"{1e3 * gflop / peak_gflops:.1f}",
+                    "ms measured (fastest)": f"{1e3 * measured:.1f}",
+                    "GFLOP/s reached": f"{gflop / measured:.0f}",
+                    "share of the large-matmul rate": f"{gflop / measured / peak_gflops:.0%}",
+                }
+            )
+    return rows
+
+
 def main() -> None:
     rows, figures = [], {}
     for sizes in ("shapes", "paper"):
@@ -116,21 +160,23 @@ def main() -> None:
         decoder = random_decoder(sizes)
         for beam in (1, 3, 5):
             inputs = {batch: torch.randn(batch, P, E) for batch in BATCHES}
-            best = dict.fromkeys(BATCHES, float("inf"))
+            times = {batch: [] for batch in BATCHES}
             for _ in range(ROUNDS):  # the batch sizes take turns, so that a slow spell of the machine hits them all
                 for batch in BATCHES:
-                    best[batch] = min(best[batch], seconds_per_batch(decoder, inputs[batch], beam))
+                    times[batch] += call_seconds(decoder, inputs[batch], beam)
             for batch in BATCHES:
-                figures[(sizes, beam, batch)] = speed = batch / best[batch]
+                figures[(sizes, beam, batch)] = speed = batch / min(times[batch])
+                figures[(sizes, beam, batch, "median")] = typical = batch / statistics.median(times[batch])
                 rows.append(
                     {
                         "sizes": sizes,
                         "search": "greedy" if beam == 1 else f"beam {beam}",
                         "batch": batch,
-                        "images/s": f"{speed:.1f}",
+                        "images/s, fastest call": f"{speed:.1f}",
+                        "images/s, median call": f"{typical:.1f}",
                     }
                 )
-    print(f"{MAX_LEN} decoding steps per image; {machine()}\n")
+    print(f"{MAX_LEN} decoding steps per image, {ROUNDS * CALLS} timed calls per configuration; {machine()}\n")
     print(table(rows))
     trained = trained_model_rows()
     print("\nBundled shapes model, 64 test images, batch 64, max_len 30:\n")
@@ -138,16 +184,31 @@ def main() -> None:
     print("\nThe LSTM input projection alone (median of 200 calls; 50 for 192 rows):\n")
     lstm = [lstm_input_rows(sizes, 64 / figures[(sizes, 3, 64)]) for sizes in ("shapes", "paper")]
     print(table(lstm))
+    peak = large_matmul_gflops()
+    print(f"\nMatmul work of one beam-3 call; this machine's rate on a 2048^3 matmul: {peak:.0f} GFLOP/s\n")
+    work = matmul_work_rows(figures, peak)
+    print(table(work))
+    # If batch 64 ran at the large-matmul rate with everything else free, its gain over batch 1 would be:
+    ceiling = 64 * float(work[0]["ms measured (fastest)"]) / float(work[1]["ms at the large-matmul rate"])
+
+    def ratio(sizes, beam, *statistic):
+        return figures[(sizes, beam, 64, *statistic)] / figures[(sizes, beam, 1, *statistic)]
+
     print(
         result(
-            shapes_beam3_b64_over_b1=f"{figures[('shapes', 3, 64)] / figures[('shapes', 3, 1)]:.1f}",
-            paper_beam3_b64_over_b1=f"{figures[('paper', 3, 64)] / figures[('paper', 3, 1)]:.1f}",
+            shapes_beam3_b64_over_b1=f"{ratio('shapes', 3):.1f}",
+            shapes_beam3_b64_over_b1_median=f"{ratio('shapes', 3, 'median'):.1f}",
+            paper_beam3_b64_over_b1=f"{ratio('paper', 3):.1f}",
+            paper_beam3_b64_over_b1_median=f"{ratio('paper', 3, 'median'):.1f}",
             shapes_beam3_b64_images_per_s=f"{figures[('shapes', 3, 64)]:.0f}",
             paper_beam3_b64_images_per_s=f"{figures[('paper', 3, 64)]:.1f}",
-            shapes_beam5_b64_over_b1=f"{figures[('shapes', 5, 64)] / figures[('shapes', 5, 1)]:.1f}",
-            shapes_greedy_b64_over_b1=f"{figures[('shapes', 1, 64)] / figures[('shapes', 1, 1)]:.1f}",
+            shapes_beam5_b64_over_b1=f"{ratio('shapes', 5):.1f}",
+            shapes_greedy_b64_over_b1=f"{ratio('shapes', 1):.1f}",
             trained_beam3_rows_saved=trained[1]["saved"],
             shapes_lstm_matmul_b64_over_b1=lstm[0]["b64 over b1"],
+            large_matmul_gflops=f"{peak:.0f}",
+            shapes_beam3_b64_share_of_matmul_rate=work[1]["share of the large-matmul rate"],
+            shapes_beam3_b64_over_b1_ceiling=f"{ceiling:.1f}",
         )
     )
 

@@ -4,7 +4,7 @@
 
 A malloc setting holds for a whole process, so each measurement runs in a fresh child process, and the two settings
 take turns (ROUNDS pairs) so that a slow spell of the shared machine hits both. Each child times, at the shapes
-sizes, beam 3 at batch 64 and at batch 1 (decode.py's setting: random decoder, 16 steps, fastest of several calls)
+sizes, beam 3 at batch 64 and at batch 1 (decode.py's setting: random decoder, 16 steps, fastest of 8 calls each)
 and a teacher-forced training step at batch 64 (train_step.py's, median), and counts the minor page faults of one
 batch-64 beam-search call and of one training step.
 """
@@ -47,7 +47,7 @@ def child(keep: bool) -> dict:
             with torch.inference_mode():
                 beam_search(decoder, annotations, beam_size=3, max_len=MAX_LEN, **SPECIAL)
 
-        out[f"b{batch}_images_per_s"] = batch / timed(decode, repeats=max(8, 64 // batch), warmup=2, best=True)
+        out[f"b{batch}_images_per_s"] = batch / timed(decode, repeats=8, warmup=2, best=True)
         if batch == 64:
             out["decode_faults"] = faults(decode)
     step = trainer(AttentionDecoder, "shapes")
