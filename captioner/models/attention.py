@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
+from captioner.models.onednn import Linear
 
 
 class Attention(nn.Module):
@@ -62,9 +63,9 @@ class AdditiveAttention(Attention):
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
         super().__init__()
-        self.W = nn.Linear(encoder_dim, attention_dim)
-        self.U = nn.Linear(decoder_dim, attention_dim, bias=False)  # W already carries the bias
-        self.v = nn.Linear(attention_dim, 1)
+        self.W = Linear(encoder_dim, attention_dim)
+        self.U = Linear(decoder_dim, attention_dim, bias=False)  # W already carries the bias
+        self.v = Linear(attention_dim, 1)
 
     def project(self, annotations: torch.Tensor) -> torch.Tensor:
         return self.W(annotations)  # (B,P,A)
@@ -86,7 +87,7 @@ class GeneralAttention(Attention):
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int = 0):
         super().__init__()
-        self.W = nn.Linear(encoder_dim, decoder_dim, bias=False)
+        self.W = Linear(encoder_dim, decoder_dim, bias=False)
 
     def project(self, annotations: torch.Tensor) -> torch.Tensor:
         return self.W(annotations)  # (B,P,D)

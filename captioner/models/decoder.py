@@ -6,6 +6,8 @@ Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
     z_t       = beta_t * sum_i alpha_ti a_i
     h_t, c_t  = LSTMCell([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
     logits_t  = L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer (eq. 7)
+
+Linear and LSTMCell are torch's, except that their matmuls go through oneDNN when decoding on a CPU (onednn.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from captioner.errors import ConfigError
 from captioner.models.attention import build_attention
+from captioner.models.onednn import Linear, LSTMCell
 
 GATES = ("scalar", "channel", "none")
 
@@ -62,13 +65,13 @@ class AttentionDecoder(nn.Module):
         self.attention = build_attention(attention, encoder_dim, decoder_dim, attention_dim)
         self.position = nn.Parameter(0.1 * torch.randn(num_pixels, encoder_dim)) if position_embedding else None
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_index)
-        self.init_h = nn.Linear(encoder_dim, decoder_dim)
-        self.init_c = nn.Linear(encoder_dim, decoder_dim)
-        self.f_beta = None if gate == "none" else nn.Linear(decoder_dim, 1 if gate == "scalar" else encoder_dim)
-        self.lstm = nn.LSTMCell(embed_dim + encoder_dim, decoder_dim)
-        self.L_h = nn.Linear(decoder_dim, embed_dim)
-        self.L_z = nn.Linear(encoder_dim, embed_dim)
-        self.L_o = nn.Linear(embed_dim, vocab_size)
+        self.init_h = Linear(encoder_dim, decoder_dim)
+        self.init_c = Linear(encoder_dim, decoder_dim)
+        self.f_beta = None if gate == "none" else Linear(decoder_dim, 1 if gate == "scalar" else encoder_dim)
+        self.lstm = LSTMCell(embed_dim + encoder_dim, decoder_dim)
+        self.L_h = Linear(decoder_dim, embed_dim)
+        self.L_z = Linear(encoder_dim, embed_dim)
+        self.L_o = Linear(embed_dim, vocab_size)
         self.dropout = nn.Dropout(dropout)
 
     # The position embedding p is added to the annotations: a'_i = a_i + p_i. Everything downstream is linear in a'

@@ -1,0 +1,67 @@
+"""`nn.Linear` and `nn.LSTMCell` whose matmuls run through oneDNN when decoding on a CPU.
+
+torch sends a float32 `nn.Linear` on a CPU to MKL's GEMM. On the developers' machine (AMD EPYC, the MKL that ships
+with torch 2.14) that is slow for the few rows of single-image decoding: 3 rows cost about three times 1 row, and
+oneDNN, which torch also ships, runs the same product 2.5–5x faster at 1–5 rows and 1.2–1.5x faster at 192
+(`benchmarks/onednn.py`). torch itself calls oneDNN for a linear layer only from graphs that
+`torch.compile` has frozen, through the operator `torch.ops.mkldnn._linear_pointwise`; these classes call that
+operator directly, and only where that is safe:
+
+- float32 tensors on a CPU, with autograd off (decoding runs under `torch.inference_mode`) and autocast off;
+- the operator exists in this torch build (it is private: a build or version without it falls back);
+- `captioner.models.onednn.enabled` is true (the default; set `CAPTIONER_ONEDNN=0` to start with it off).
+
+Everywhere else, training included, they are plain `nn.Linear` / `nn.LSTMCell`, with the same parameters and
+state_dict keys. The results differ from MKL's only by float rounding (tests/models/test_onednn.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+AVAILABLE = _linear_pointwise is not None and torch.backends.mkldnn.is_available()
+enabled = os.environ.get("CAPTIONER_ONEDNN", "1") != "0"
+
+
+def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        enabled
+        and AVAILABLE
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, through oneDNN where that is safe (see the module docstring)."""
+    if _use_onednn(x, weight):
+        return _linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class LSTMCell(nn.LSTMCell):
+    """The same cell as `nn.LSTMCell` (gates in torch's order: input, forget, cell, output), written out so that its
+    two matmuls can go through oneDNN; with autograd on it is `nn.LSTMCell` itself."""
+
+    def forward(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if state is None or x.dim() != 2 or not _use_onednn(x, self.weight_ih):
+            return super().forward(x, state)
+        h, c = state
+        gates = linear(x, self.weight_ih, self.bias_ih).add_(linear(h, self.weight_hh, self.bias_hh))  # (N,4D)
+        i, f, g, o = gates.chunk(4, dim=1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c

@@ -1,0 +1,91 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioner.decoding import beam_search
+from captioner.models import onednn
+from captioner.models.decoder import AttentionDecoder
+
+needs_onednn = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build has no oneDNN linear")
+
+
+def calls_to_onednn(monkeypatch) -> list[int]:
+    """Count the calls that reach the oneDNN operator."""
+    calls = []
+    real = onednn._linear_pointwise
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(onednn, "_linear_pointwise", counting)
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 5, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_equals_torch_when_decoding(monkeypatch, rows, bias):
+    calls = calls_to_onednn(monkeypatch)
+    layer = onednn.Linear(40, 24, bias=bias)
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        got = layer(x)
+        assert calls, "the oneDNN path was not taken"
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x.view(rows, 1, 40)), got.view(rows, 1, 24), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_lstm_cell_equals_torch_when_decoding(monkeypatch):
+    calls = calls_to_onednn(monkeypatch)
+    torch.manual_seed(0)
+    cell = onednn.LSTMCell(10, 7)
+    reference = nn.LSTMCell(10, 7)
+    reference.load_state_dict(cell.state_dict())
+    x, h, c = torch.randn(3, 10), torch.randn(3, 7), torch.randn(3, 7)
+    with torch.inference_mode():
+        got = cell(x, (h, c))
+        assert len(calls) == 2
+        expected = reference(x, (h, c))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_autocast_and_the_switch_use_torchs_own_path(monkeypatch):
+    calls = calls_to_onednn(monkeypatch) if onednn.AVAILABLE else []
+    layer, cell = onednn.Linear(8, 4), onednn.LSTMCell(8, 4)
+    x, state = torch.randn(2, 8), (torch.zeros(2, 4), torch.zeros(2, 4))
+    loss = layer(x).sum() + cell(x, state)[0].sum()  # autograd on
+    loss.backward()
+    assert layer.weight.grad is not None and cell.weight_ih.grad is not None
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast still applies
+        cell(x, state)
+    monkeypatch.setattr(onednn, "enabled", False)
+    with torch.inference_mode():
+        layer(x), cell(x, state)
+    assert calls == []
+
+
+def test_state_dict_is_torchs():
+    """Checkpoints written before these classes existed (plain nn.Linear / nn.LSTMCell) still load."""
+    assert onednn.Linear(3, 2).state_dict().keys() == nn.Linear(3, 2).state_dict().keys()
+    assert onednn.LSTMCell(3, 2).state_dict().keys() == nn.LSTMCell(3, 2).state_dict().keys()
+
+
+@needs_onednn
+def test_beam_search_gives_the_same_captions_either_way(monkeypatch):
+    torch.manual_seed(0)
+    decoder = AttentionDecoder(30, 16, embed_dim=8, decoder_dim=12, attention_dim=10).eval()
+    annotations = torch.randn(6, 9, 16)
+    results = []
+    for flag in (True, False):
+        monkeypatch.setattr(onednn, "enabled", flag)
+        with torch.inference_mode():
+            results.append(beam_search(decoder, annotations, start_index=1, end_index=2, beam_size=3, max_len=12))
+    fast, plain = results
+    assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.lengths, plain.lengths)
+    torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.alphas, plain.alphas, rtol=1e-4, atol=1e-5)
