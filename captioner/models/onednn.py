@@ -9,7 +9,8 @@ operator directly, and only where that is safe:
 
 - float32 tensors on a CPU, with autograd off (decoding runs under `torch.inference_mode`) and autocast off;
 - the operator exists in this torch build (it is private: a build or version without it falls back);
-- `captioner.models.onednn.enabled` is true (the default; set `CAPTIONER_ONEDNN=0` to start with it off).
+- `captioner.models.onednn.enabled` is true (the default; set `CAPTIONER_ONEDNN=0` to start with it off), and so is
+  torch's `torch.backends.mkldnn.enabled`.
 
 Everywhere else, training included, they are plain `nn.Linear` / `nn.LSTMCell`, with the same parameters and
 state_dict keys. The results differ from MKL's only by float rounding (tests/models/test_onednn.py).
@@ -32,6 +33,7 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         enabled
         and AVAILABLE
+        and torch.backends.mkldnn.enabled  # torch's own switch (torch.backends.mkldnn.flags)
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_grad_enabled()

@@ -63,6 +63,8 @@ def test_training_autocast_and_the_switch_use_torchs_own_path(monkeypatch):
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).dtype == torch.bfloat16  # autocast still applies
         cell(x, state)
+    with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=False):  # torch's own switch
+        layer(x), cell(x, state)
     monkeypatch.setattr(onednn, "enabled", False)
     with torch.inference_mode():
         layer(x), cell(x, state)
