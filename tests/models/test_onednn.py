@@ -53,6 +53,7 @@ def test_lstm_cell_equals_torch_when_decoding(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags()
 def test_training_autocast_and_the_switch_use_torchs_own_path(monkeypatch):
     calls = calls_to_onednn(monkeypatch) if onednn.AVAILABLE else []
     layer, cell = onednn.Linear(8, 4), onednn.LSTMCell(8, 4)
