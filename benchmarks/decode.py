@@ -21,10 +21,14 @@ share of a batch-64 step.
 
 A fourth table counts the matmul work of one beam-3 call (torch.utils.flop_counter) and compares its time with the
 rate this machine reaches on one large matmul: how far each batch size is from being bound by arithmetic alone.
+
+The first table also counts the page faults per call (the untimed first call of each round included): memory that
+glibc's malloc gave back to the kernel and took again, which costs a fault and a zero-fill per 4 KiB page.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 
 import torch
@@ -53,6 +57,11 @@ def random_decoder(sizes: str) -> AttentionDecoder:
     decoder = AttentionDecoder(V, E, embed_dim=M, decoder_dim=D, attention_dim=A).eval()
     decoder.L_o.bias.data[SPECIAL["end_index"]] = -1e4
     return decoder
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far: each is a fresh page of memory the kernel had to map and zero."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", calls: int = CALLS) -> list[float]:
@@ -169,9 +178,12 @@ def main() -> None:
         for beam in (1, 3, 5):
             inputs = {batch: torch.randn(batch, P, E) for batch in BATCHES}
             times = {batch: [] for batch in BATCHES}
+            faults = dict.fromkeys(BATCHES, 0)
             for _ in range(ROUNDS):  # the batch sizes take turns, so that a slow spell of the machine hits them all
                 for batch in BATCHES:
+                    before = page_faults()
                     times[batch] += call_seconds(decoder, inputs[batch], beam)
+                    faults[batch] += page_faults() - before
             for batch in BATCHES:
                 figures[(sizes, beam, batch)] = speed = batch / min(times[batch])
                 figures[(sizes, beam, batch, "median")] = typical = batch / statistics.median(times[batch])
@@ -182,6 +194,7 @@ def main() -> None:
                         "batch": batch,
                         "images/s, fastest call": f"{speed:.1f}",
                         "images/s, median call": f"{typical:.1f}",
+                        "page faults per call": f"{faults[batch] / (ROUNDS * (CALLS + 1)):.0f}",
                     }
                 )
     print(f"{MAX_LEN} decoding steps per image, {ROUNDS * CALLS} timed calls per configuration; {machine()}\n")

@@ -92,3 +92,22 @@ def test_beam_search_gives_the_same_captions_either_way(monkeypatch):
     assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.lengths, plain.lengths)
     torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast.alphas, plain.alphas, rtol=1e-4, atol=1e-5)
+
+
+@needs_onednn
+def test_torch_compile_of_the_decoder_step_works_when_decoding(monkeypatch):
+    """A compiled step traces torch's own linear (Inductor cannot lower the oneDNN operator with the weight as an
+    input), and gives the eager step's results."""
+    torch.manual_seed(0)
+    decoder = AttentionDecoder(vocab_size=12, encoder_dim=16, embed_dim=8, decoder_dim=8, attention_dim=8).eval()
+    annotations = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        keys = decoder.attention.project(annotations)
+        state = decoder.init_state(annotations)
+        tokens = torch.tensor([1, 1])
+        expected = decoder.step(tokens, state, annotations, keys)
+        compiled = torch.compile(decoder.step, dynamic=False)
+        got = compiled(tokens, state, annotations, keys)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-5)  # logits
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-5)  # (h, c)
+    torch.testing.assert_close(got[2], expected[2], rtol=1e-4, atol=1e-5)  # alpha
