@@ -8,8 +8,9 @@ oneDNN, which torch also ships, runs the same product 2.5–5x faster at 1–5 r
 operator directly, and only where that is safe:
 
 - float32 tensors on a CPU, with autograd off (decoding runs under `torch.inference_mode`) and autocast off;
-- not while `torch.compile` traces the module: Inductor cannot lower the operator with the weight as a graph input
-  ("weight must be a graph constant"), and makes its own choice of matmul kernel;
+- not while `torch.compile` or `torch.jit.trace` traces the module: Inductor cannot lower the operator with the
+  weight as a graph input ("weight must be a graph constant") and makes its own choice of matmul kernel, and the
+  TorchScript tracer (also under the legacy ONNX exporter) cannot record it;
 - the operator exists in this torch build (it is private: a build or version without it falls back);
 - `captioner.models.onednn.enabled` is true (the default; set `CAPTIONER_ONEDNN=0` to start with it off), and so is
   torch's `torch.backends.mkldnn.enabled`.
@@ -41,6 +42,7 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and not torch.is_grad_enabled()
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
     )
 
 

@@ -111,3 +111,18 @@ def test_torch_compile_of_the_decoder_step_works_when_decoding(monkeypatch):
     torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-5)  # logits
     torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-5)  # (h, c)
     torch.testing.assert_close(got[2], expected[2], rtol=1e-4, atol=1e-5)  # alpha
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.trace is deprecated, but still used (and by ONNX)
+def test_torchscript_tracing_records_torchs_own_linear():
+    torch.manual_seed(0)
+    layer, cell = onednn.Linear(8, 4).eval(), onednn.LSTMCell(8, 4).eval()
+    x, state = torch.randn(2, 8), (torch.randn(2, 4), torch.randn(2, 4))
+    with torch.no_grad():
+        traced_layer = torch.jit.trace(layer, x)
+        traced_cell = torch.jit.trace(cell, (x, state))
+        assert "mkldnn" not in str(traced_layer.graph) + str(traced_cell.graph)
+        torch.testing.assert_close(traced_layer(x), layer(x), rtol=1e-5, atol=1e-6)
+        for a, b in zip(traced_cell(x, state), cell(x, state), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
