@@ -126,3 +126,13 @@ def test_torchscript_tracing_records_torchs_own_linear():
         torch.testing.assert_close(traced_layer(x), layer(x), rtol=1e-5, atol=1e-6)
         for a, b in zip(traced_cell(x, state), cell(x, state), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_torch_export_records_torchs_own_linear():
+    layer = onednn.Linear(8, 4).eval()
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        program = torch.export.export(layer, (x,))
+        assert "mkldnn" not in str(program.graph)
+        torch.testing.assert_close(program.module()(x), layer(x), rtol=1e-5, atol=1e-6)
