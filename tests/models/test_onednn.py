@@ -95,7 +95,7 @@ def test_beam_search_gives_the_same_captions_either_way(monkeypatch):
 
 
 @needs_onednn
-def test_torch_compile_of_the_decoder_step_works_when_decoding(monkeypatch):
+def test_torch_compile_of_the_decoder_step_works_when_decoding():
     """A compiled step traces torch's own linear (Inductor cannot lower the oneDNN operator with the weight as an
     input), and gives the eager step's results."""
     torch.manual_seed(0)
