@@ -130,6 +130,8 @@ def test_torchscript_tracing_records_torchs_own_linear():
 
 @needs_onednn
 def test_torch_export_records_torchs_own_linear():
+    """torch.export turns torch.backends.mkldnn.enabled off while it traces, and is_compiling() is true then too:
+    either keeps the oneDNN operator out of the exported program (without both, it is recorded)."""
     layer = onednn.Linear(8, 4).eval()
     x = torch.randn(2, 8)
     with torch.inference_mode():
