@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 CKPT   := checkpoints/shapes/best.ckpt
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint bench clean
 
 install: $(VENV)/.installed  ## create .venv and install captioner with its dev extra
 
@@ -24,6 +24,11 @@ test: install  ## run the test suite (slow tests excluded: add -m slow to run th
 lint: install  ## ruff lint and format check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+bench: install  ## run every script in benchmarks/ in turn (the tables of docs/benchmarks.md); keep the machine idle
+	cd benchmarks && for script in $$(ls *.py | grep -v '^common.py$$'); do \
+		echo "== python $$script"; ../$(BIN)/python $$script || exit 1; echo; \
+	done
 
 clean:
 	rm -rf $(VENV) lightning_logs checkpoints data/shapes data/shapes-debug
