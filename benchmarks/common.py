@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +29,11 @@ class TextbookAdditiveAttention(AdditiveAttention):
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far: each is a fresh page of memory the kernel had to map and zero."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def samples(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:

@@ -28,11 +28,10 @@ glibc's malloc gave back to the kernel and took again, which costs a fault and a
 
 from __future__ import annotations
 
-import resource
 import statistics
 
 import torch
-from common import SIZES, machine, result, samples, table, timed
+from common import SIZES, machine, page_faults, result, samples, table, timed
 from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.api import Captioner
@@ -59,11 +58,6 @@ def random_decoder(sizes: str) -> AttentionDecoder:
     return decoder
 
 
-def page_faults() -> int:
-    """Minor page faults of this process so far: each is a fresh page of memory the kernel had to map and zero."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", calls: int = CALLS) -> list[float]:
     """Seconds of each of `calls` searches of the whole batch, after one untimed."""
 
@@ -77,7 +71,8 @@ def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", ca
     return samples(run, repeats=calls)
 
 
-def trained_model_rows(batch: int = 64, max_len: int = 30) -> list[dict]:
+def bundled_model_inputs(batch: int = 64) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """The bundled shapes model, the annotations of the first `batch` test images, and its special token indices."""
     captioner = Captioner.load("shapes", device="cpu")
     model = captioner.model
     dataset = ShapesDataset("test", batch, seed=0)
@@ -85,6 +80,11 @@ def trained_model_rows(batch: int = 64, max_len: int = 30) -> list[dict]:
         images = torch.stack([captioner.transform(dataset.load_image(i)) for i in range(batch)])
         annotations = model.encoder(images)
     special = {"start_index": model.start_index, "end_index": model.end_index, "pad_index": model.pad_index}
+    return model, annotations, special
+
+
+def trained_model_rows(batch: int = 64, max_len: int = 30) -> list[dict]:
+    model, annotations, special = bundled_model_inputs(batch)
     rows = []
     for beam in (1, 3, 5):
 

@@ -28,10 +28,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 from common import SIZES, machine, result, table
-from decode import MAX_LEN, call_seconds, random_decoder
+from decode import MAX_LEN, bundled_model_inputs, call_seconds, random_decoder
 
-from captioner.api import Captioner
-from captioner.data.shapes import ShapesDataset
 from captioner.decoding import beam_search
 from captioner.models.attention import AdditiveAttention
 from captioner.models.decoder import AttentionDecoder
@@ -117,13 +115,9 @@ def speed(sizes: str) -> tuple[list[dict], dict]:
 
 
 def agreement(batch: int = 64) -> dict:
-    captioner = Captioner.load("shapes", device="cpu")
-    model = captioner.model
-    dataset = ShapesDataset("test", batch, seed=0)
-    special = {"start_index": model.start_index, "end_index": model.end_index, "pad_index": model.pad_index}
+    model, annotations, special = bundled_model_inputs(batch)
     library, fused = model.decoder, FusedDecoder.of(model.decoder)
     with torch.inference_mode():
-        annotations = model.encoder(torch.stack([captioner.transform(dataset.load_image(i)) for i in range(batch)]))
         outputs = [beam_search(d, annotations, beam_size=3, max_len=30, **special) for d in (library, fused)]
         tokens = torch.full((batch,), model.start_index)
         steps = []

@@ -12,13 +12,12 @@ batch-64 beam-search call and of one training step.
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
 
 import torch
-from common import SIZES, machine, result, table, timed
+from common import SIZES, machine, page_faults, result, table, timed
 from decode import MAX_LEN, SPECIAL, random_decoder
 from train_step import trainer
 
@@ -30,9 +29,9 @@ ROUNDS = 4
 
 
 def faults(fn) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = page_faults()
     fn()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return page_faults() - before
 
 
 def child(keep: bool) -> dict:
