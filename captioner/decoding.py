@@ -19,8 +19,9 @@ class Generation:
     lengths: (B,) number of real tokens in each row, <end> included.
     scores: (B,) sum of the log-probabilities of the real tokens.
     alphas: (B,T,P) attention of each generated token, zero after the end; float32, also under autocast.
-    decoder_rows: rows the decoder ran at each step (captions, or hypotheses, still being written): what the
-        shrinking batch saves, for profiling.
+    decoder_rows: rows the decoder's LSTM and output layer ran at each step (captions, or hypotheses, still being
+        written): what the shrinking batch saves, for profiling. Beam search's attention also runs the ended
+        hypotheses of the images still searching.
     """
 
     tokens: torch.Tensor
@@ -91,6 +92,7 @@ def beam_search(
 
     - The first step runs once per image: its K beams are all the same <start> hypothesis until the first word.
     - A finished hypothesis stays in its beam with its final score (it can only be extended by <pad> at no cost).
+      It skips the LSTM and the output layer; only the attention, which works image by image, still includes it.
     - An image whose K hypotheses have all finished can no longer change, so it leaves the batch: the decoder state,
       annotations and keys shrink with the set of images still searching.
     - Hypotheses are recorded by back-pointers (one (B*K,) row of parents per step) and read back once at the end.
@@ -128,9 +130,16 @@ def beam_search(
     decoder_rows = []
     for _ in range(max_len):
         A, G = scores.shape
-        decoder_rows.append(A * G)
-        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
-        log_probs = F.log_softmax(logits.float(), dim=-1)
+        live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
+        decoder_rows.append(live.numel())
+        if live.numel() == A * G:
+            logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
+        else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
+            context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
+            logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V), _
+            # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
+            h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
+        log_probs = F.log_softmax(logits.float(), dim=-1)  # (L,V)
         V = log_probs.size(1)
         if carry is None:
             if K > V:
@@ -138,7 +147,8 @@ def beam_search(
             carry = torch.full((V,), float("-inf"), device=device)
             carry[pad_index] = 0.0
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
-        log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+        if live.numel() < A * G:
+            log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
         scores, best = candidates.topk(K, dim=1)  # (A,K)
         parents = (best // V + torch.arange(A, device=device).unsqueeze(1) * G).view(-1)  # (A*K,) rows extended

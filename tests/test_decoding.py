@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from captioner.decoding import beam_search, greedy_search
 from captioner.models.decoder import AttentionDecoder
@@ -27,8 +28,16 @@ class TableDecoder:
         return zeros, zeros
 
     def step(self, tokens, state, annotations, keys):
-        P = annotations.size(1)
-        return self.logits[tokens], state, annotations.new_full((tokens.size(0), P), 1.0 / P)
+        context, alpha = self.attend(state[0], annotations, keys)
+        logits, state = self.update(tokens, context, state)
+        return logits, state, alpha
+
+    def attend(self, h, annotations, keys):
+        N, P = h.size(0), annotations.size(1)
+        return annotations.new_zeros(N, 1), annotations.new_full((N, P), 1.0 / P)
+
+    def update(self, tokens, context, state):
+        return self.logits[tokens], state
 
 
 # Greedy takes A (0.55) and then can only end with 0.34: p = 0.187.
@@ -97,17 +106,29 @@ def test_generation_never_emits_pad_or_start_and_alphas_are_distributions():
 
 
 class RowCounter:
-    """Wraps a decoder and records how many rows each decoding step ran."""
+    """Wraps a decoder and records, per decoding step, the rows its attention ran and the rows the rest of the step
+    (LSTM and output layer) ran, with the words fed to the latter."""
 
     def __init__(self, decoder):
-        self.decoder, self.rows = decoder, []
+        self.decoder, self.attended, self.rows, self.words = decoder, [], [], []
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
     def step(self, tokens, state, annotations, keys):
+        self.attended.append(tokens.size(0))
         self.rows.append(tokens.size(0))
+        self.words.append(tokens.tolist())
         return self.decoder.step(tokens, state, annotations, keys)
+
+    def attend(self, h, annotations, keys):
+        self.attended.append(h.size(0))
+        return self.decoder.attend(h, annotations, keys)
+
+    def update(self, tokens, context, state):
+        self.rows.append(tokens.size(0))
+        self.words.append(tokens.tolist())
+        return self.decoder.update(tokens, context, state)
 
 
 def test_greedy_runs_only_the_captions_still_being_written():
@@ -122,16 +143,20 @@ def test_greedy_runs_only_the_captions_still_being_written():
 
 
 class PerImageTableDecoder(TableDecoder):
-    """Like TableDecoder, with one table per image; the image's number is stored in its annotations."""
+    """Like TableDecoder, with one table per image; the image's number is stored in its annotations and passed on as
+    the context of each of its rows."""
 
     def __init__(self, tables):
         self.tables = [TableDecoder(t).logits for t in tables]
 
-    def step(self, tokens, state, annotations, keys):
-        images = annotations[:, 0, 0].long().repeat_interleave(tokens.size(0) // annotations.size(0))
-        logits = torch.stack([self.tables[i][w] for i, w in zip(images.tolist(), tokens.tolist(), strict=True)])
+    def attend(self, h, annotations, keys):
+        images = annotations[:, 0, :1].repeat_interleave(h.size(0) // annotations.size(0), dim=0)  # (N,1)
         P = annotations.size(1)
-        return logits, state, annotations.new_full((tokens.size(0), P), 1.0 / P)
+        return images, annotations.new_full((h.size(0), P), 1.0 / P)
+
+    def update(self, tokens, context, state):
+        images = context[:, 0].long().tolist()
+        return torch.stack([self.tables[i][w] for i, w in zip(images, tokens.tolist(), strict=True)]), state
 
 
 def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
@@ -140,9 +165,57 @@ def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
     annotations = torch.arange(2.0).view(2, 1, 1).expand(2, 4, 2)  # image i holds the number i
     counter = RowCounter(PerImageTableDecoder([ends_soon, never_ends]))
     out = beam_search(counter, annotations, beam_size=2, max_len=6, **SPECIAL)
-    # Step 1: one <start> row per image. Step 2: two beams each; both beams of image 0 have ended after it.
-    assert counter.rows == [2, 4, 2, 2, 2, 2]
+    # Step 1: one <start> row per image. Step 2: two beams each, but image 0's first beam ended at step 1 and only
+    # the attention runs it; both beams of image 0 have ended after step 2, so the image leaves.
+    assert counter.attended == [2, 4, 2, 2, 2, 2]
+    assert counter.rows == [2, 3, 2, 2, 2, 2]
     assert out.decoder_rows == counter.rows
     assert out.tokens[0].tolist() == [END] + [PAD] * 5 and out.lengths.tolist() == [1, 6]
     assert out.tokens[1].tolist() == [A] * 6
     assert out.scores[0].item() == pytest.approx(math.log(0.9), abs=1e-4)
+
+
+def reference_beam_search(decoder, annotations, beam_size, max_len):
+    """Beam search in plain Python, one image and one hypothesis at a time, every hypothesis through the whole step:
+    what beam_search must return with length_penalty 0. Returns (words, score) per image."""
+    results = []
+    for image in annotations:
+        memory, keys = decoder.prepare(image.unsqueeze(0))
+        beams = [([], 0.0, decoder.init_state(memory))]  # words so far, log-probability, state
+        for _ in range(max_len):
+            candidates = []
+            for words, score, state in beams:
+                if words and words[-1] == END:  # finished: kept as it is
+                    candidates.append((words, score, state))
+                    continue
+                previous = torch.tensor([words[-1] if words else START])
+                logits, next_state, _ = decoder.step(previous, state, memory, keys)
+                log_probs = F.log_softmax(logits[0], dim=-1).tolist()
+                candidates += [
+                    (words + [w], score + lp, next_state) for w, lp in enumerate(log_probs) if w not in (PAD, START)
+                ]
+            beams = sorted(candidates, key=lambda beam: beam[1], reverse=True)[:beam_size]
+            if all(words[-1] == END for words, _, _ in beams):
+                break
+        finished = [beam for beam in beams if beam[0][-1] == END]
+        words, score, _ = max(finished or beams, key=lambda beam: beam[1])
+        results.append((words, score))
+    return results
+
+
+@pytest.mark.parametrize("beam_size", [3, 5])
+def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothesis(beam_size):
+    decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
+    decoder.L_o.bias.data[END] += 1.0  # hypotheses end at different steps, also within one image
+    counter = RowCounter(decoder)
+    with torch.inference_mode():
+        out = beam_search(counter, annotations, beam_size=beam_size, max_len=10, **SPECIAL)
+        expected = reference_beam_search(decoder, annotations, beam_size, max_len=10)
+    for i, (words, score) in enumerate(expected):
+        assert out.tokens[i, : int(out.lengths[i])].tolist() == words
+        assert out.scores[i].item() == pytest.approx(score, abs=1e-4)
+    assert len({len(words) for words, _ in expected}) > 1
+    # Some steps attended over ended hypotheses that the LSTM and output layer skipped; none was fed to them.
+    assert any(rows < attended for rows, attended in zip(counter.rows, counter.attended, strict=True))
+    assert not any(END in words or PAD in words for words in counter.words)
+    assert out.decoder_rows == counter.rows

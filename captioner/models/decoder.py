@@ -6,6 +6,7 @@ Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
     z_t       = beta_t * sum_i alpha_ti a_i
     h_t, c_t  = LSTMCell([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
     logits_t  = L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer (eq. 7)
+`step` is `attend` (the first three lines) followed by `update` (the last two).
 
 Linear and LSTMCell are torch's, except that their matmuls go through oneDNN when decoding on a CPU (onednn.py).
 """
@@ -104,16 +105,35 @@ class AttentionDecoder(nn.Module):
 
         N is B, or B*G in beam search (G hypotheses per image, adjacent), with annotations and keys (B,P,.).
         """
-        h, c = state
-        y = self.embedding(tokens)  # (B,M)
-        context, alpha = self.attention(annotations, keys, h)  # (B,E), (B,P)
+        context, alpha = self.attend(state[0], annotations, keys)
+        logits, state = self.update(tokens, context, state)
+        return logits, state, alpha
+
+    def attend(
+        self, h: torch.Tensor, annotations: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first half of a step, from h_{t-1} (N,D): the gated context z_t (N,E) and alpha_t (N,P).
+
+        Works image by image: the N rows are the G hypotheses of each of the B images, as in `step`.
+        """
+        context, alpha = self.attention(annotations, keys, h)  # (N,E), (N,P)
         if self.position is not None:
-            context = context + alpha @ self.position  # sum_i alpha_i (a_i + p_i): (B,P) @ (P,E)
+            context = context + alpha @ self.position  # sum_i alpha_i (a_i + p_i): (N,P) @ (P,E)
         if self.f_beta is not None:
-            context = torch.sigmoid(self.f_beta(h)) * context  # z_t: (B,1 or E) * (B,E)
-        h, c = self.lstm(torch.cat([y, context], dim=1), (h, c))  # (B,D)
-        logits = self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))  # (B,V)
-        return logits, (h, c), alpha
+            context = torch.sigmoid(self.f_beta(h)) * context  # z_t: (N,1 or E) * (N,E)
+        return context, alpha
+
+    def update(
+        self, tokens: torch.Tensor, context: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The second half of a step: the LSTM and the deep output layer -> logits (N,V), new state (N,D)x2.
+
+        Each row depends on its own inputs only, so beam search runs it on just the hypotheses still being written.
+        """
+        y = self.embedding(tokens)  # (N,M)
+        h, c = self.lstm(torch.cat([y, context], dim=1), state)  # (N,D)
+        logits = self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))  # (N,V)
+        return logits, (h, c)
 
     def forward(
         self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
