@@ -104,6 +104,8 @@ class AttentionDecoder(nn.Module):
         """One word: tokens y_{t-1} (N,), state (N,D)x2 -> logits (N,V), new state, alpha (N,P).
 
         N is B, or B*G in beam search (G hypotheses per image, adjacent), with annotations and keys (B,P,.).
+        Beam search calls `attend` and `update` separately in the steps where some hypotheses have ended, so a
+        subclass that changes the step should override those two, not this.
         """
         context, alpha = self.attend(state[0], annotations, keys)
         logits, state = self.update(tokens, context, state)
