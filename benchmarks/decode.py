@@ -11,8 +11,8 @@ many noisy calls is faster than the fastest of a few, and an earlier version, wh
 calls at batch 1 against 6 at batch 64), favoured batch 1 (docs/benchmarks.md, Decoding).
 
 A second table uses the bundled shapes model on 64 test images, where captions end at different steps: it counts
-the rows the decoder ran against the rows of a fixed-shape search (every hypothesis of every image run to the
-last step), which is what the shrinking batch saves.
+the rows the decoder's LSTM and output layer ran against the rows of a fixed-shape search (every hypothesis of every
+image run to the last step), which is what the shrinking batch and the skipping of ended hypotheses save.
 
 A third table times the largest matmul of a step, the LSTM input projection, as the decoder runs it
 (captioner.models.onednn), for 1 to 5 rows (at batch 1 a beam of K runs K rows, and a few rows do not cost the same
