@@ -14,9 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
-demo: install  ## train on the built-in shapes set, caption held-out images, print val/bleu4
+demo: install  ## train on the built-in shapes set, caption held-out images, write their overlays, print val/bleu4
 	$(BIN)/captioner fit --config configs/shapes.yaml --trainer.enable_progress_bar=false
-	$(BIN)/captioner demo --checkpoint $(CKPT)
+	$(BIN)/captioner demo --checkpoint $(CKPT) --overlays overlays/demo
 
 test: install  ## run the test suite (slow tests excluded: add -m slow to run them)
 	$(BIN)/python -m pytest
@@ -31,4 +31,4 @@ bench: install  ## run every script in benchmarks/ in turn (the tables of docs/b
 	done
 
 clean:
-	rm -rf $(VENV) lightning_logs checkpoints data/shapes data/shapes-debug
+	rm -rf $(VENV) lightning_logs checkpoints overlays data/shapes data/shapes-debug

@@ -62,6 +62,7 @@ def demo(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="captioner demo", description=demo.__doc__)
     parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
     parser.add_argument("--samples", type=int, default=5, help="held-out test images to caption")
+    parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     args = parser.parse_args(argv)
 
     import lightning as L
@@ -75,12 +76,23 @@ def demo(argv: list[str]) -> None:
     test = datamodule.split("test")
     transform = module.model.encoder.preprocessing.transforms()
     count = min(args.samples, len(test))
-    images = torch.stack([transform(test.load_image(i)) for i in range(count)])  # (N,3,H,W)
+    pictures = [test.load_image(i) for i in range(count)]
+    images = torch.stack([transform(picture) for picture in pictures])  # (N,3,H,W)
     module.eval()
     with torch.inference_mode():
         generation = module.model.generate(images=images, max_len=module.hparams.max_caption_len)
+    overlays = Path(args.overlays) if args.overlays else None
+    if overlays:
+        from captioner.visualize import attention_grid
+
+        overlays.mkdir(parents=True, exist_ok=True)
     for i, tokens in enumerate(generation.tokens.tolist()):
         print(f"test image {i}\n  generated: {module.vocab.decode(tokens)}\n  reference: {test.captions(i)[0]}")
+        if overlays:
+            words = module.vocab.decode_tokens(tokens)
+            sheet = attention_grid(pictures[i], words, generation.alphas[i, : len(words)], module.model.encoder.grid_hw)
+            sheet.save(overlays / f"test_{i}.png")
+            print(f"  overlay: {overlays / f'test_{i}.png'}")
     trainer = L.Trainer(
         accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
     )

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from captioner.cli import main, run_lightning_cli
 from tests.conftest import tiny_fit_args
@@ -37,10 +38,16 @@ def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(t
     vocab = state["hyper_parameters"]["vocab"]
     assert vocab[:4] == ["<pad>", "<start>", "<end>", "<unk>"] and "circle" in vocab
     capsys.readouterr()
-    main(["demo", "--checkpoint", str(checkpoint), "--samples", "2"])
+    main(["demo", "--checkpoint", str(checkpoint), "--samples", "2", "--overlays", str(tmp_path / "overlays")])
     lines = capsys.readouterr().out.strip().splitlines()
     assert sum(line.strip().startswith("generated:") for line in lines) == 2
     assert lines[-1].startswith("val/bleu4=") and 0.0 <= float(lines[-1].split("=")[1]) <= 1.0
+    captions = [line.split("generated:")[1].split() for line in lines if line.strip().startswith("generated:")]
+    sheets = sorted((tmp_path / "overlays").glob("*.png"))
+    assert [sheet.name for sheet in sheets] == ["test_0.png", "test_1.png"]
+    for sheet, words in zip(sheets, captions, strict=True):  # the image, then one titled 192-pixel tile per word
+        with Image.open(sheet) as picture:
+            assert picture.size == (5 * 192, -(-(1 + len(words)) // 5) * (192 + 22))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
