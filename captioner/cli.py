@@ -57,6 +57,18 @@ def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     )
 
 
+def _overlay_folder(path: str | None) -> Path | None:
+    """The folder for --overlays, created if missing; a path that cannot be a folder is the user's mistake."""
+    if not path:
+        return None
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{folder}: cannot write overlays there: {err.strerror or err}") from None
+    return folder
+
+
 def demo(argv: list[str]) -> None:
     """Caption a few held-out images beside a reference, then print the validation BLEU-4 as the last line."""
     parser = argparse.ArgumentParser(prog="captioner demo", description=demo.__doc__)
@@ -64,12 +76,14 @@ def demo(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=5, help="held-out test images to caption")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     args = parser.parse_args(argv)
+    overlays = _overlay_folder(args.overlays)
 
     import lightning as L
     import torch
 
     from captioner.data.datamodules import ShapesDataModule
     from captioner.lightning_cli import load_module
+    from captioner.visualize import attention_grid
 
     module = load_module(args.checkpoint)
     datamodule = ShapesDataModule.load_from_checkpoint(args.checkpoint)
@@ -81,11 +95,6 @@ def demo(argv: list[str]) -> None:
     module.eval()
     with torch.inference_mode():
         generation = module.model.generate(images=images, max_len=module.hparams.max_caption_len)
-    overlays = Path(args.overlays) if args.overlays else None
-    if overlays:
-        from captioner.visualize import attention_grid
-
-        overlays.mkdir(parents=True, exist_ok=True)
     for i, tokens in enumerate(generation.tokens.tolist()):
         print(f"test image {i}\n  generated: {module.vocab.decode(tokens)}\n  reference: {test.captions(i)[0]}")
         if overlays:
@@ -128,10 +137,8 @@ def caption(argv: list[str]) -> int:
     from captioner.data.images import ImageError, find_images
     from captioner.visualize import attention_grid
 
+    overlays = _overlay_folder(args.overlays)
     captioner = Captioner.load(args.checkpoint, precision=args.precision)
-    overlays = Path(args.overlays) if args.overlays else None
-    if overlays:
-        overlays.mkdir(parents=True, exist_ok=True)
     failed = 0
     results = captioner.iter_captions(find_images(args.paths), args.beam_size, args.batch_size, args.max_len)
     for index, result in enumerate(results):

@@ -71,6 +71,15 @@ def test_user_mistakes_give_one_line_and_no_traceback(args, message, tmp_path):
     assert len(errors) == 1 and message in errors[0], result.stderr
 
 
+@pytest.mark.parametrize("command", [["demo", "--checkpoint", "missing.ckpt"], ["caption", "missing.jpg"]])
+def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder")
+    result = run_cli(*command, "--overlays", str(taken))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: {taken}: cannot write overlays there: File exists"
+
+
 def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
     bogus = tmp_path / "bogus.ckpt"
     bogus.write_bytes(b"not a checkpoint")
