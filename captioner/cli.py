@@ -100,8 +100,9 @@ def demo(argv: list[str]) -> None:
         if overlays:
             words = module.vocab.decode_tokens(tokens)
             sheet = attention_grid(pictures[i], words, generation.alphas[i, : len(words)], module.model.encoder.grid_hw)
-            sheet.save(overlays / f"test_{i}.png")
-            print(f"  overlay: {overlays / f'test_{i}.png'}")
+            path = overlays / f"test_{i}.png"
+            sheet.save(path)
+            print(f"  overlay: {path}")
     trainer = L.Trainer(
         accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
     )

@@ -132,7 +132,8 @@ def beam_search(
         A, G = scores.shape
         live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
         decoder_rows.append(live.numel())
-        if live.numel() == A * G:
+        some_ended = live.numel() < A * G
+        if not some_ended:
             logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
         else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
             context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
@@ -147,7 +148,7 @@ def beam_search(
             carry = torch.full((V,), float("-inf"), device=device)
             carry[pad_index] = 0.0
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
-        if live.numel() < A * G:
+        if some_ended:
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
         scores, best = candidates.topk(K, dim=1)  # (A,K)
