@@ -91,7 +91,7 @@ def decoding_variants() -> tuple[list[dict], dict[str, float]]:
     # a cache entry of the same function: more than dynamo's default limit of 8, past which it runs eagerly. The
     # training run of the first table has already reached that limit, so dynamo's caches start again here.
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.cache_size_limit = 64  # the name torch 2.4 knows; newer ones call it recompile_limit too
     variants = {"eager": build().eval(), "compiled": build().eval(), "compiled, freezing": build().eval()}
     variants["compiled"].step = torch.compile(variants["compiled"].step, dynamic=False)
     frozen = variants["compiled, freezing"]
