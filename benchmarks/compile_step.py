@@ -78,11 +78,12 @@ def measure(compiled: bool) -> dict[str, float]:
     return {"decode_first": first, "decode": decode_s, "train_first": train_first, "train": train_s}
 
 
-def search(decoder: AttentionDecoder, annotations: torch.Tensor, beam: int):
+def search(decoder: AttentionDecoder, annotations: torch.Tensor, beam: int, max_len: int = MAX_LEN, special=SPECIAL):
+    """Greedy search when beam is 1, else beam search, under inference mode."""
     with torch.inference_mode():
         if beam == 1:
-            return greedy_search(decoder, annotations, max_len=MAX_LEN, **SPECIAL)
-        return beam_search(decoder, annotations, beam_size=beam, max_len=MAX_LEN, **SPECIAL)
+            return greedy_search(decoder, annotations, max_len=max_len, **special)
+        return beam_search(decoder, annotations, beam_size=beam, max_len=max_len, **special)
 
 
 def decoding_variants() -> tuple[list[dict], dict[str, float]]:
@@ -159,10 +160,7 @@ def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
     variants = {"eager": model.decoder, "compiled": compiled}
 
     def run(decoder, beam):
-        with torch.inference_mode():
-            if beam == 1:
-                return greedy_search(decoder, annotations, max_len=30, **special)
-            return beam_search(decoder, annotations, beam_size=beam, max_len=30, **special)
+        return search(decoder, annotations, beam, max_len=30, special=special)
 
     first, reference, same = {}, {}, True
     for name, decoder in variants.items():
