@@ -33,7 +33,7 @@ from captioner.models.decoder import AttentionDecoder
 
 B, MAX_LEN = 64, 16
 SPECIAL = {"start_index": 1, "end_index": 2, "pad_index": 0}
-ROUNDS, CALLS = 3, 4  # second table: timed calls per round, the same for every variant and batch size
+ROUNDS, CALLS = 3, 4  # second and third tables: timed calls per round, the same for every variant and setting
 
 
 def build() -> AttentionDecoder:
