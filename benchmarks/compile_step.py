@@ -86,6 +86,30 @@ def search(decoder: AttentionDecoder, annotations: torch.Tensor, beam: int, max_
         return beam_search(decoder, annotations, beam_size=beam, max_len=max_len, **special)
 
 
+def race(variants: dict[str, AttentionDecoder], settings: list[tuple], run) -> tuple[dict, dict, dict]:
+    """Times `run(decoder, *setting)` for every variant and setting.
+
+    Returns each variant's seconds for its first call of every setting (where compiling happens), whether its
+    captions equal the first variant's (eager) in every setting, and the fastest of ROUNDS * CALLS timed calls per
+    (variant, setting), with the settings and variants taking turns in every round.
+    """
+    first, reference, same = {}, {}, {}
+    for name, decoder in variants.items():
+        start = time.perf_counter()
+        for setting in settings:
+            tokens = run(decoder, *setting).tokens
+            reference.setdefault(setting, tokens)  # the first variant's
+            same[name] = same.get(name, True) and torch.equal(tokens, reference[setting])
+        first[name] = time.perf_counter() - start
+    seconds = {}
+    for _ in range(ROUNDS):
+        for setting in settings:
+            for name, decoder in variants.items():
+                calls = samples(lambda d=decoder, s=setting: run(d, *s), repeats=CALLS)
+                seconds.setdefault((name, setting), []).extend(calls)
+    return first, same, {key: min(calls) for key, calls in seconds.items()}
+
+
 def decoding_variants() -> tuple[list[dict], dict[str, float]]:
     """Greedy and beam 3 at batch 1 and 64: eager, compiled, compiled with freezing (one decoder each)."""
     # Each variant and each shape of the step (batch 1 and 64; beam search's first step has one row per image) is
@@ -101,49 +125,29 @@ def decoding_variants() -> tuple[list[dict], dict[str, float]]:
     torch.manual_seed(1)
     inputs = {64: torch.randn(64, P, E)}
     inputs[1] = inputs[64][:1].clone()
-    configs = [(beam, batch) for beam in (1, 3) for batch in (1, 64)]
+    settings = [(beam, batch) for beam in (1, 3) for batch in (1, 64)]
+    first, same, fastest = race(variants, settings, lambda decoder, beam, batch: search(decoder, inputs[batch], beam))
 
-    compile_s, reference, same = {}, {}, {}
-    for name, decoder in variants.items():
-        start = time.perf_counter()
-        for beam, batch in configs:  # the first call of each shape compiles
-            tokens = search(decoder, inputs[batch], beam).tokens
-            reference.setdefault((beam, batch), tokens)  # eager's, the first variant
-            same[name] = same.get(name, True) and torch.equal(tokens, reference[(beam, batch)])
-        compile_s[name] = time.perf_counter() - start
-
-    seconds = {}
-    for _ in range(ROUNDS):
-        for beam, batch in configs:
-            for name, decoder in variants.items():
-                key = (name, beam, batch)
-                seconds[key] = seconds.get(key, []) + samples(
-                    lambda d=decoder, b=beam, x=inputs[batch]: search(d, x, b), repeats=CALLS
-                )
-
-    rows, figures = [], {}
+    rows = []
     for name in variants:
-        row = {"step": name, "first calls s": f"{compile_s[name]:.1f}"}
-        for beam, batch in configs:
-            fastest = min(seconds[(name, beam, batch)])
-            row[f"{'greedy' if beam == 1 else f'beam {beam}'} b{batch}"] = f"{batch / fastest:.1f}"
-            figures[(name, beam, batch)] = fastest
-        ratio = 64 * figures[(name, 3, 1)] / figures[(name, 3, 64)]
-        row["beam 3 b64 over b1"] = f"{ratio:.1f}"
+        row = {"step": name, "first calls s": f"{first[name]:.1f}"}
+        for beam, batch in settings:
+            row[f"{'greedy' if beam == 1 else f'beam {beam}'} b{batch}"] = (
+                f"{batch / fastest[(name, (beam, batch))]:.1f}"
+            )
+        row["beam 3 b64 over b1"] = f"{64 * fastest[(name, (3, 1))] / fastest[(name, (3, 64))]:.1f}"
         row["same captions"] = "-" if name == "eager" else ("yes" if same[name] else "NO")
         rows.append(row)
-    speedups = {
-        f"{tag}_{'greedy' if beam == 1 else f'beam{beam}'}_b{batch}_speedup": figures[("eager", beam, batch)]
-        / figures[(name, beam, batch)]
+    figures = {
+        f"{tag}_{'greedy' if beam == 1 else f'beam{beam}'}_b{batch}_speedup": fastest[("eager", (beam, batch))]
+        / fastest[(name, (beam, batch))]
         for tag, name in (("compiled", "compiled"), ("frozen", "compiled, freezing"))
-        for beam, batch in configs
+        for beam, batch in settings
     }
-    speedups["frozen_beam3_b64_over_b1"] = (
-        64 * figures[("compiled, freezing", 3, 1)] / figures[("compiled, freezing", 3, 64)]
-    )
-    speedups["eager_beam3_b64_over_b1"] = 64 * figures[("eager", 3, 1)] / figures[("eager", 3, 64)]
-    speedups["same_captions"] = all(same[name] for name in variants if name != "eager")
-    return rows, speedups
+    for tag, name in (("frozen", "compiled, freezing"), ("eager", "eager")):
+        figures[f"{tag}_beam3_b64_over_b1"] = 64 * fastest[(name, (3, 1))] / fastest[(name, (3, 64))]
+    figures["same_captions"] = all(same.values())
+    return rows, figures
 
 
 def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
@@ -158,42 +162,25 @@ def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
     for method in ("step", "attend", "update"):
         setattr(compiled, method, torch.compile(getattr(compiled, method)))
     variants = {"eager": model.decoder, "compiled": compiled}
-
-    def run(decoder, beam):
-        return search(decoder, annotations, beam, max_len=30, special=special)
-
-    first, reference, same = {}, {}, True
-    for name, decoder in variants.items():
-        start = time.perf_counter()
-        for beam in (1, 3):
-            out = run(decoder, beam)
-            if name == "eager":
-                reference[beam] = out.tokens
-            else:
-                same = same and torch.equal(out.tokens, reference[beam])
-        first[name] = time.perf_counter() - start
-    seconds = {}
-    for _ in range(ROUNDS):
-        for beam in (1, 3):
-            for name, decoder in variants.items():
-                key = (name, beam)
-                seconds[key] = seconds.get(key, []) + samples(lambda d=decoder, b=beam: run(d, b), repeats=CALLS)
+    first, same, fastest = race(
+        variants, [(1,), (3,)], lambda decoder, beam: search(decoder, annotations, beam, max_len=30, special=special)
+    )
     rows = [
         {
             "step": name,
             "first calls s": f"{first[name]:.1f}",
-            "greedy b64": f"{64 / min(seconds[(name, 1)]):.0f}",
-            "beam 3 b64": f"{64 / min(seconds[(name, 3)]):.0f}",
-            "same captions": "-" if name == "eager" else ("yes" if same else "NO"),
+            "greedy b64": f"{64 / fastest[(name, (1,))]:.0f}",
+            "beam 3 b64": f"{64 / fastest[(name, (3,))]:.0f}",
+            "same captions": "-" if name == "eager" else ("yes" if same[name] else "NO"),
         }
         for name in variants
     ]
     figures = {
-        f"bundled_{'greedy' if beam == 1 else 'beam3'}_speedup": min(seconds[("eager", beam)])
-        / min(seconds[("compiled", beam)])
+        f"bundled_{'greedy' if beam == 1 else 'beam3'}_speedup": fastest[("eager", (beam,))]
+        / fastest[("compiled", (beam,))]
         for beam in (1, 3)
     }
-    figures["bundled_same_captions"] = same
+    figures["bundled_same_captions"] = same["compiled"]
     return rows, figures
 
 
