@@ -24,15 +24,14 @@ import time
 
 import torch
 from common import SIZES, machine, result, samples, table, timed
-from decode import bundled_model_inputs
+from decode import SPECIAL, bundled_model_inputs, search
 from train_step import make_batch
 
-from captioner.decoding import beam_search, greedy_search
+from captioner.decoding import greedy_search
 from captioner.lit_module import caption_loss
 from captioner.models.decoder import AttentionDecoder
 
 B, MAX_LEN = 64, 16
-SPECIAL = {"start_index": 1, "end_index": 2, "pad_index": 0}
 ROUNDS, CALLS = 3, 4  # second and third tables: timed calls per round, the same for every variant and setting
 
 
@@ -78,12 +77,15 @@ def measure(compiled: bool) -> dict[str, float]:
     return {"decode_first": first, "decode": decode_s, "train_first": train_first, "train": train_s}
 
 
-def search(decoder: AttentionDecoder, annotations: torch.Tensor, beam: int, max_len: int = MAX_LEN, special=SPECIAL):
-    """Greedy search when beam is 1, else beam search, under inference mode."""
-    with torch.inference_mode():
-        if beam == 1:
-            return greedy_search(decoder, annotations, max_len=max_len, **special)
-        return beam_search(decoder, annotations, beam_size=beam, max_len=max_len, **special)
+def fresh_dynamo() -> None:
+    """Empty dynamo's caches and raise its recompile limit, before each decoding table.
+
+    Each variant and each shape of the step (batch 1 and 64; beam search's first step has one row per image; the
+    bundled model's shrinking batch) is a cache entry of the same function: more than dynamo's default limit of 8,
+    past which it runs eagerly. The training run of the first table has already reached that limit.
+    """
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = 64  # the name torch 2.4 knows; newer ones call it recompile_limit too
 
 
 def race(variants: dict[str, AttentionDecoder], settings: list[tuple], run) -> tuple[dict, dict, dict]:
@@ -112,11 +114,7 @@ def race(variants: dict[str, AttentionDecoder], settings: list[tuple], run) -> t
 
 def decoding_variants() -> tuple[list[dict], dict[str, float]]:
     """Greedy and beam 3 at batch 1 and 64: eager, compiled, compiled with freezing (one decoder each)."""
-    # Each variant and each shape of the step (batch 1 and 64; beam search's first step has one row per image) is
-    # a cache entry of the same function: more than dynamo's default limit of 8, past which it runs eagerly. The
-    # training run of the first table has already reached that limit, so dynamo's caches start again here.
-    torch._dynamo.reset()
-    torch._dynamo.config.cache_size_limit = 64  # the name torch 2.4 knows; newer ones call it recompile_limit too
+    fresh_dynamo()
     variants = {"eager": build().eval(), "compiled": build().eval(), "compiled, freezing": build().eval()}
     variants["compiled"].step = torch.compile(variants["compiled"].step, dynamic=False)
     frozen = variants["compiled, freezing"]
@@ -156,7 +154,7 @@ def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
     Beam search calls the step's two halves, `attend` and `update`, separately once some hypothesis has ended, so
     they are compiled too.
     """
-    torch._dynamo.reset()
+    fresh_dynamo()
     model, annotations, special = bundled_model_inputs(64)
     compiled = copy.deepcopy(model.decoder)
     for method in ("step", "attend", "update"):

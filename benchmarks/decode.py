@@ -58,15 +58,20 @@ def random_decoder(sizes: str) -> AttentionDecoder:
     return decoder
 
 
+def search(decoder, annotations: torch.Tensor, beam: int, max_len: int = MAX_LEN, special: dict = SPECIAL):
+    """Greedy search when beam is 1, else beam search, under inference mode."""
+    with torch.inference_mode():
+        if beam == 1:
+            return greedy_search(decoder, annotations, max_len=max_len, **special)
+        return beam_search(decoder, annotations, beam_size=beam, max_len=max_len, **special)
+
+
 def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", calls: int = CALLS) -> list[float]:
     """Seconds of each of `calls` searches of the whole batch, after one untimed."""
 
     def run():
-        with torch.inference_mode(), autocast(precision, annotations.device):
-            if beam == 1:
-                greedy_search(decoder, annotations, max_len=MAX_LEN, **SPECIAL)
-            else:
-                beam_search(decoder, annotations, beam_size=beam, max_len=MAX_LEN, **SPECIAL)
+        with autocast(precision, annotations.device):
+            search(decoder, annotations, beam)
 
     return samples(run, repeats=calls)
 
@@ -89,10 +94,7 @@ def trained_model_rows(batch: int = 64, max_len: int = 30) -> list[dict]:
     for beam in (1, 3, 5):
 
         def run(beam=beam):
-            with torch.inference_mode():
-                if beam == 1:
-                    return greedy_search(model.decoder, annotations, max_len=max_len, **special)
-                return beam_search(model.decoder, annotations, beam_size=beam, max_len=max_len, **special)
+            return search(model.decoder, annotations, beam, max_len, special)
 
         out = run()
         ran, steps = sum(out.decoder_rows), len(out.decoder_rows)
