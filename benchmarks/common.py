@@ -26,9 +26,21 @@ class TextbookAdditiveAttention(AdditiveAttention):
         return self.v(torch.tanh(keys.unsqueeze(1) + self.U(h).unsqueeze(2))).squeeze(-1)  # (B,G,P)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows: the hardware behind the figures
+    can change between runs on a rented machine, and the ratios depend on it."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def page_faults() -> int:
