@@ -137,7 +137,7 @@ def lstm_input_rows(sizes: str, beam_b64_seconds: float) -> dict:
 def large_matmul_gflops(n: int = 2048) -> float:
     """The machine's matmul rate: the fastest of 10 (n x n) @ (n x n) products, by MKL or by oneDNN."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    with torch.inference_mode():
+    with onednn.use(True), torch.inference_mode():
         seconds = min(
             timed(f, repeats=10, warmup=2, best=True) for f in (lambda: a @ b, lambda: onednn.linear(a, b, None))
         )
@@ -152,10 +152,9 @@ def matmul_work_rows(figures: dict, peak_gflops: float) -> list[dict]:
         P, E = SIZES[sizes][:2]
         decoder = random_decoder(sizes)
         for batch in (1, 64):
-            onednn.enabled = False  # the same matmuls, through torch's own operators, which the counter knows
-            with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            # the same matmuls, through torch's own operators, which the counter knows
+            with onednn.use(False), torch.inference_mode(), FlopCounterMode(display=False) as counter:
                 beam_search(decoder, torch.randn(batch, P, E), beam_size=3, max_len=MAX_LEN, **SPECIAL)
-            onednn.enabled = True
             gflop = counter.get_total_flops() / 1e9
             measured = batch / figures[(sizes, 3, batch)]
             rows.append(

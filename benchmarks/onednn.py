@@ -11,6 +11,9 @@ Second table: beam 3 in decode.py's setting (random decoder, `<end>` suppressed,
 calls for each, fastest call.
 
 Third: the bundled shapes model on 64 test images, beam 3, both settings: how many captions are identical.
+
+The header and `default_on` in the RESULT line say whether the decoder uses oneDNN by default on this CPU (on AMD
+CPUs only; see captioner/models/onednn.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def matmul_rows(sizes: str) -> dict:
     _, E, D, _, M, _ = SIZES[sizes]
     weight, bias = torch.randn(4 * D, M + E), torch.randn(4 * D)
     row = {"sizes": sizes}
-    with torch.inference_mode():
+    with onednn.use(True), torch.inference_mode():
         for n in ROWS:
             x = torch.randn(n, M + E)
             repeats = 200 if n < 192 else 50
@@ -50,10 +53,9 @@ def decoding(sizes: str) -> dict:
     times = {(flag, batch): [] for flag in (False, True) for batch in inputs}
     for _ in range(ROUNDS):
         for flag in (False, True):
-            onednn.enabled = flag
-            for batch, encoded in inputs.items():
-                times[flag, batch] += call_seconds(decoder, encoded, beam=3)
-    onednn.enabled = True
+            with onednn.use(flag):
+                for batch, encoded in inputs.items():
+                    times[flag, batch] += call_seconds(decoder, encoded, beam=3)
     speed = {key: key[1] / min(seconds) for key, seconds in times.items()}
     return {
         "sizes": sizes,
@@ -72,15 +74,16 @@ def same_captions(n: int = 64) -> str:
     images = [dataset.load_image(i) for i in range(n)]
     captions = {}
     for flag in (False, True):
-        onednn.enabled = flag
-        captions[flag] = [c.text for c in captioner.caption(images, beam_size=3, batch_size=n)]
-    onednn.enabled = True
+        with onednn.use(flag):
+            captions[flag] = [c.text for c in captioner.caption(images, beam_size=3, batch_size=n)]
     same = sum(a == b for a, b in zip(captions[False], captions[True], strict=True))
     return f"{same}/{n}"
 
 
 def main() -> None:
-    print(f"{machine()}; oneDNN linear available: {onednn.AVAILABLE}\n")
+    vendor = onednn.cpu_vendor() or "unknown"
+    print(f"{machine()}; oneDNN linear available: {onednn.AVAILABLE}")
+    print(f"CPU vendor {vendor}; the decoder uses oneDNN by default here: {onednn.enabled}\n")
     if not onednn.AVAILABLE:
         raise SystemExit("this torch build has no oneDNN linear: nothing to compare")
     matmuls = [matmul_rows(sizes) for sizes in ("shapes", "paper")]
@@ -103,6 +106,7 @@ def main() -> None:
             paper_beam3_b1_speedup=f"{paper['batch 1 speed-up']:.2f}",
             paper_beam3_b64_speedup=f"{paper['batch 64 speed-up']:.2f}",
             same_captions=same,
+            default_on=onednn.enabled,
         )
     )
 

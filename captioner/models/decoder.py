@@ -8,7 +8,8 @@ Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
     logits_t  = L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer (eq. 7)
 `step` is `attend` (the first three lines) followed by `update` (the last two).
 
-Linear and LSTMCell are torch's, except that their matmuls go through oneDNN when decoding on a CPU (onednn.py).
+Linear and LSTMCell are torch's, except that their matmuls can go through oneDNN when decoding on a CPU (by default
+on AMD CPUs, where that was measured to be faster: onednn.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,27 @@
-"""`nn.Linear` and `nn.LSTMCell` whose matmuls run through oneDNN when decoding on a CPU.
+"""`nn.Linear` and `nn.LSTMCell` whose matmuls can run through oneDNN when decoding on a CPU.
 
-torch sends a float32 `nn.Linear` on a CPU to MKL's GEMM. On the developers' machine (AMD EPYC, the MKL that ships
-with torch 2.14) that is slow for the few rows of single-image decoding: 3 rows cost about three times 1 row, and
-oneDNN, which torch also ships, runs the same product 2.5–5x faster at 1–5 rows and 1.2–1.5x faster at 192
-(`benchmarks/onednn.py`). torch itself calls oneDNN for a linear layer only from graphs that
-`torch.compile` has frozen, through the operator `torch.ops.mkldnn._linear_pointwise`; these classes call that
-operator directly, and only where that is safe:
+torch sends a float32 `nn.Linear` on a CPU to MKL's GEMM. How fast that is for the few rows of single-image decoding
+depends on the CPU (`benchmarks/onednn.py`, docs/benchmarks.md):
+
+- on an AMD EPYC (the MKL that ships with torch 2.14), 3 rows cost about three times 1 row, and oneDNN, which torch
+  also ships, ran the same products 2.5–5x faster at 1–5 rows and 1.1–1.5x faster at 192: single-image beam search
+  at the paper's sizes 2.7–3.3x as fast;
+- on an Intel Xeon, MKL's few-row products are fast and oneDNN's are 2–2.5x slower: oneDNN made single-image beam
+  search about 0.6x as fast, and batch 64 only 1.01–1.03x.
+
+So oneDNN is used by default only on AMD CPUs with an MKL build of torch, the case it was measured to help (MKL is
+Intel's library and tuned for Intel's CPUs); everywhere else the decoder keeps torch's own path. torch itself calls
+oneDNN for a linear layer only from graphs that `torch.compile` has frozen, through the operator
+`torch.ops.mkldnn._linear_pointwise`; these classes call that operator directly, and only where that is safe:
 
 - float32 tensors on a CPU, with autograd off (decoding runs under `torch.inference_mode`) and autocast off;
 - not while `torch.compile` or `torch.jit.trace` traces the module: Inductor cannot lower the operator with the
   weight as a graph input ("weight must be a graph constant") and makes its own choice of matmul kernel, and the
   TorchScript tracer (also under the legacy ONNX exporter) cannot record it;
 - the operator exists in this torch build (it is private: a build or version without it falls back);
-- `captioner.models.onednn.enabled` is true (the default; set `CAPTIONER_ONEDNN=0` to start with it off), and so is
-  torch's `torch.backends.mkldnn.enabled`.
+- `captioner.models.onednn.enabled` is true, and so is torch's `torch.backends.mkldnn.enabled`. `enabled` starts
+  as `default_enabled()`: the environment variable `CAPTIONER_ONEDNN=1` turns it on on any CPU, `0` off, and
+  `auto` (or unset) applies the rule above. `with onednn.use(True): ...` sets it for a block.
 
 Everywhere else, training included, they are plain `nn.Linear` / `nn.LSTMCell`, with the same parameters and
 state_dict keys. The results differ from MKL's only by float rounding (tests/models/test_onednn.py).
@@ -21,7 +29,11 @@ state_dict keys. The results differ from MKL's only by float rounding (tests/mod
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
+import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +41,48 @@ from torch import nn
 
 _linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 AVAILABLE = _linear_pointwise is not None and torch.backends.mkldnn.is_available()
-enabled = os.environ.get("CAPTIONER_ONEDNN", "1") != "0"
+SETTINGS = ("auto", "1", "0")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; Linux's /proc/cpuinfo, else what `platform` knows,
+    which on Windows includes it), or "" when unknown."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def default_enabled(setting: str | None = None, vendor: str | None = None, mkl: bool | None = None) -> bool:
+    """Whether to use oneDNN when nothing else says: `setting` is CAPTIONER_ONEDNN's value ("auto" when unset);
+    "auto" means on an AMD CPU with an MKL build of torch (see the module docstring)."""
+    setting = os.environ.get("CAPTIONER_ONEDNN", "auto") if setting is None else setting
+    if setting not in SETTINGS:
+        warnings.warn(f"CAPTIONER_ONEDNN={setting!r} is not one of {', '.join(SETTINGS)}; using auto", stacklevel=2)
+        setting = "auto"
+    if setting != "auto":
+        return setting == "1"
+    vendor = cpu_vendor() if vendor is None else vendor
+    mkl = torch.backends.mkl.is_available() if mkl is None else mkl
+    return mkl and "AuthenticAMD" in vendor
+
+
+enabled = default_enabled()
+
+
+@contextlib.contextmanager
+def use(flag: bool) -> Iterator[None]:
+    """Within the block, set `enabled` to `flag` (restored after it): `with onednn.use(False): ...`."""
+    global enabled
+    previous, enabled = enabled, flag
+    try:
+        yield
+    finally:
+        enabled = previous
 
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,6 +10,45 @@ from captioner.models.decoder import AttentionDecoder
 needs_onednn = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build has no oneDNN linear")
 
 
+@pytest.fixture(autouse=True)
+def onednn_on(monkeypatch):
+    """These tests check the oneDNN path, which is on by default only on AMD CPUs: turn it on on every CPU."""
+    monkeypatch.setattr(onednn, "enabled", True)
+
+
+@pytest.mark.parametrize(
+    ("setting", "vendor", "mkl", "expected"),
+    [
+        ("auto", "AuthenticAMD", True, True),  # where MKL's few-row products were measured slow
+        ("auto", "GenuineIntel", True, False),  # where they were measured fast
+        ("auto", "", True, False),  # unknown (an Arm CPU has no vendor_id): torch's own path
+        ("auto", "AuthenticAMD", False, False),  # no MKL to replace
+        ("1", "GenuineIntel", True, True),
+        ("0", "AuthenticAMD", True, False),
+    ],
+)
+def test_default_is_onednn_on_amd_cpus_with_mkl_only(setting, vendor, mkl, expected):
+    assert onednn.default_enabled(setting, vendor, mkl) is expected
+
+
+def test_an_unknown_setting_warns_and_means_auto(monkeypatch):
+    monkeypatch.setenv("CAPTIONER_ONEDNN", "yes")
+    with pytest.warns(UserWarning, match="CAPTIONER_ONEDNN='yes' is not one of auto, 1, 0"):
+        assert onednn.default_enabled(vendor="GenuineIntel", mkl=True) is False
+    monkeypatch.setenv("CAPTIONER_ONEDNN", "1")
+    assert onednn.default_enabled(vendor="GenuineIntel", mkl=True) is True
+
+
+def test_use_sets_the_switch_for_a_block_and_restores_it():
+    with onednn.use(False):
+        assert onednn.enabled is False
+        with pytest.raises(RuntimeError), onednn.use(True):
+            assert onednn.enabled is True
+            raise RuntimeError
+        assert onednn.enabled is False
+    assert onednn.enabled is True  # the fixture's value
+
+
 def calls_to_onednn(monkeypatch) -> list[int]:
     """Count the calls that reach the oneDNN operator."""
     calls = []
