@@ -26,6 +26,7 @@ from decode import MAX_LEN, call_seconds, random_decoder
 from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.models import onednn
+from captioner.runtime import cpu_vendor
 
 ROUNDS = 3
 ROWS = (1, 2, 3, 4, 5, 192)
@@ -81,7 +82,7 @@ def same_captions(n: int = 64) -> str:
 
 
 def main() -> None:
-    vendor = onednn.cpu_vendor() or "unknown"
+    vendor = cpu_vendor() or "unknown"
     print(f"{machine()}; oneDNN linear available: {onednn.AVAILABLE}")
     print(f"CPU vendor {vendor}; the decoder uses oneDNN by default here: {onednn.enabled}\n")
     if not onednn.AVAILABLE:

@@ -1,4 +1,4 @@
-"""Process-wide settings for running captioner on a CPU.
+"""Process-wide settings for running captioner on a CPU, and the CPU facts that choose between equivalent kernels.
 
 glibc's malloc serves large blocks (above a threshold that starts at 128 KiB and adapts) with fresh `mmap` pages and
 gives the top of its heap back to the system once more than twice that threshold is free. A decoding or training
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -40,3 +41,20 @@ def keep_freed_memory() -> bool:
     # Both or neither: setting either one turns off glibc's adaptive thresholds, so the trim threshold alone would
     # leave every block above 128 KiB to mmap. `and` skips it when the mmap threshold is refused (returns 0).
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; Linux's /proc/cpuinfo, else what `platform` knows,
+    which on Windows includes it), or "" when unknown (an Arm CPU has no vendor_id line).
+
+    Some kernels that compute the same function differ in speed by CPU (captioner.models.onednn and
+    captioner.models.attention choose by it; docs/benchmarks.md, On an Intel Xeon).
+    """
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -17,6 +17,7 @@ from torch import nn
 
 from captioner.errors import ConfigError
 from captioner.models.onednn import Linear
+from captioner.runtime import cpu_vendor
 
 
 class Attention(nn.Module):
@@ -48,18 +49,33 @@ class Attention(nn.Module):
         return context.view(B * G, E), alpha.view(B * G, P)
 
 
+FORMS = ("tanh", "sigmoid")
+
+
+def default_form(vendor: str | None = None) -> str:
+    """The additive scorer's form for this CPU: "sigmoid" on AMD CPUs, "tanh" elsewhere (see AdditiveAttention)."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    return "sigmoid" if "AuthenticAMD" in vendor else "tanh"
+
+
 class AdditiveAttention(Attention):
     """Bahdanau scoring, the paper's: e_ti = v . tanh(W a_i + U h_{t-1}).
 
-    Computed as e_ti = 2v . sigmoid(2x) + b - sum(v) with x = W a_i + U h_{t-1}: the same function, since
-    tanh(x) = 2 sigmoid(2x) - 1. The (B,G,P,A) tensor x is the largest of a decoding step, and on CPU torch's tanh
-    kernel is several times slower than its sigmoid; x is also updated in place rather than allocated twice.
-    When decoding (no autograd), x is built a few images at a time so that each piece stays in cache; training keeps
-    one piece, as autograd stores it anyway and slicing would add to the backward pass.
-    benchmarks/attention.py times this against the textbook form.
+    The (B,G,P,A) tensor x = W a_i + U h_{t-1} is the largest of a decoding step. It is updated in place rather than
+    allocated twice, and when decoding (no autograd) it is built a few images at a time so that each piece stays in
+    cache; training keeps one piece, as autograd stores it anyway and slicing would add to the backward pass.
+
+    `form` picks one of two ways to compute the same function, by which of torch's CPU kernels is faster
+    (benchmarks/attention.py, docs/benchmarks.md):
+    - "tanh": v . tanh(x) + b, as written; the default except on AMD CPUs. On an Intel Xeon it was 1.3–1.8x as fast
+      as the sigmoid form;
+    - "sigmoid": 2v . sigmoid(2x) + b - sum(v), since tanh(x) = 2 sigmoid(2x) - 1; the default on AMD CPUs, where
+      torch's tanh kernel was several times slower than its sigmoid.
+    The class attribute sets it for every instance (`AdditiveAttention.form = "tanh"`), an instance's for one.
     """
 
     chunk_elements = 2**20  # about 4 MB of float32 per piece when decoding
+    form = default_form()
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
         super().__init__()
@@ -72,13 +88,19 @@ class AdditiveAttention(Attention):
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         B, P, A = keys.shape
+        if self.form not in FORMS:
+            raise ConfigError(f"unknown additive scorer form {self.form!r}; choose one of {', '.join(FORMS)}")
         uh = self.U(h)  # (B,G,A)
+        if torch.is_grad_enabled():  # one piece, unsliced: a slice would add a full-size zero-fill to the backward
+            xs = [keys.unsqueeze(1) + uh.unsqueeze(2)]  # (B,G,P,A)
+        else:
+            step = max(1, self.chunk_elements // (uh.size(1) * P * A))
+            xs = (keys[i : i + step].unsqueeze(1) + uh[i : i + step].unsqueeze(2) for i in range(0, B, step))
+        if self.form == "tanh":
+            pieces = [self.v(x.tanh_()).squeeze(-1) for x in xs]  # each (b,G,P)
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (B,G,P)
         w = self.v.weight.squeeze(0)  # (A,)
-        step = B if torch.is_grad_enabled() else max(1, self.chunk_elements // (uh.size(1) * P * A))
-        pieces = [
-            (keys[i : i + step].unsqueeze(1) + uh[i : i + step].unsqueeze(2)).mul_(2).sigmoid_() @ (2 * w)
-            for i in range(0, B, step)
-        ]  # each (b,G,P,A) -> (b,G,P)
+        pieces = [x.mul_(2).sigmoid_() @ (2 * w) for x in xs]  # each (b,G,P)
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) + (self.v.bias - w.sum())  # (B,G,P)
 
 

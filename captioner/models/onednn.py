@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import warnings
 from collections.abc import Iterator
 
@@ -39,22 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.runtime import cpu_vendor
+
 _linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 AVAILABLE = _linear_pointwise is not None and torch.backends.mkldnn.is_available()
 SETTINGS = ("auto", "1", "0")
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; Linux's /proc/cpuinfo, else what `platform` knows,
-    which on Windows includes it), or "" when unknown."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def default_enabled(setting: str | None = None, vendor: str | None = None, mkl: bool | None = None) -> bool:

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from captioner.errors import ConfigError
-from captioner.models.attention import ATTENTIONS, AdditiveAttention, DotAttention, build_attention
+from captioner.models.attention import (
+    ATTENTIONS,
+    FORMS,
+    AdditiveAttention,
+    DotAttention,
+    build_attention,
+    default_form,
+)
 
 B, P, E, D, A = 3, 6, 8, 5, 7
 
@@ -26,8 +33,10 @@ def test_additive_score_matches_the_formula():
     assert torch.allclose(alpha, torch.softmax(e, dim=1), atol=1e-6)
 
 
-def test_additive_score_and_its_gradients_equal_the_tanh_form():
-    """The scorer computes v.tanh(x) + b as 2v.sigmoid(2x) + b - sum(v), in place: same values, same gradients."""
+@pytest.mark.parametrize("form", FORMS)
+def test_additive_score_and_its_gradients_equal_the_tanh_form(monkeypatch, form):
+    """Either form (v.tanh(x) + b in place, or 2v.sigmoid(2x) + b - sum(v)): same values, same gradients."""
+    monkeypatch.setattr(AdditiveAttention, "form", form)
     attention = AdditiveAttention(E, D, A)
     a, h = torch.randn(B, P, E), torch.randn(B, 2, D)  # two hypotheses per image
     params = list(attention.parameters())
@@ -44,8 +53,10 @@ def test_additive_score_and_its_gradients_equal_the_tanh_form():
         assert torch.allclose(g_fast, g_ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("chunk_elements", [1, 2 * P * A, 2**20])  # one image per piece, two, all at once
-def test_additive_score_built_in_pieces_when_decoding_is_the_same(chunk_elements):
+def test_additive_score_built_in_pieces_when_decoding_is_the_same(monkeypatch, chunk_elements, form):
+    monkeypatch.setattr(AdditiveAttention, "form", form)
     attention = AdditiveAttention(E, D, A)
     attention.chunk_elements = chunk_elements
     a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
@@ -53,6 +64,21 @@ def test_additive_score_built_in_pieces_when_decoding_is_the_same(chunk_elements
         keys = attention.project(a)
         reference = attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
         assert torch.allclose(attention.score(keys, h), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("vendor", "form"),
+    [("AuthenticAMD", "sigmoid"), ("GenuineIntel", "tanh"), ("", "tanh")],  # "": unknown, e.g. an Arm CPU
+)
+def test_the_scorer_form_is_chosen_by_cpu(vendor, form):
+    assert default_form(vendor) == form
+
+
+def test_an_unknown_scorer_form_is_a_config_error():
+    attention = AdditiveAttention(E, D, A)
+    attention.form = "exp"
+    with pytest.raises(ConfigError, match="unknown additive scorer form 'exp'"):
+        attention.score(torch.randn(B, P, A), torch.randn(B, 1, D))
 
 
 def test_dot_attention_has_no_parameters_when_sizes_match():
