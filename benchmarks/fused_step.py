@@ -13,7 +13,9 @@ it. `FusedDecoder` below computes the same function with fewer, larger operation
 - the gate beta applied to alpha (B,G,P) before the context bmm, instead of to the context (B,G,E).
 
 The merged weights are built by `prepare`, once per search call, and that time is counted. It covers the default
-decoder only (additive scoring, scalar gate), with or without the position embedding.
+decoder only (additive scoring, scalar gate), with or without the position embedding. It always uses the scorer's
+sigmoid form, which the library uses on AMD CPUs only (captioner.models.attention): on other CPUs the comparison
+also sets the library's tanh form against the sigmoid one.
 
 First table: beam 3 in decode.py's setting (random decoder, `<end>` suppressed, 16 steps) at batch 1 and 64, the
 library's step against the fused one; three rounds in which the two take turns, the same number of calls for each;
