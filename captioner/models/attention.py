@@ -67,7 +67,7 @@ class AdditiveAttention(Attention):
 
     `form` picks one of two ways to compute the same function, by which of torch's CPU kernels is faster
     (benchmarks/attention.py, docs/benchmarks.md):
-    - "tanh": v . tanh(x) + b, as written; the default except on AMD CPUs. On an Intel Xeon it was 1.3–1.8x as fast
+    - "tanh": v . tanh(x) + b, as written; the default except on AMD CPUs. On an Intel Xeon it was 1.2–1.6x as fast
       as the sigmoid form;
     - "sigmoid": 2v . sigmoid(2x) + b - sum(v), since tanh(x) = 2 sigmoid(2x) - 1; the default on AMD CPUs, where
       torch's tanh kernel was several times slower than its sigmoid.

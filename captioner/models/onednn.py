@@ -6,8 +6,8 @@ depends on the CPU (`benchmarks/onednn.py`, docs/benchmarks.md):
 - on an AMD EPYC (the MKL that ships with torch 2.14), 3 rows cost about three times 1 row, and oneDNN, which torch
   also ships, ran the same products 2.5–5x faster at 1–5 rows and 1.1–1.5x faster at 192: single-image beam search
   at the paper's sizes 2.7–3.3x as fast;
-- on an Intel Xeon, MKL's few-row products are fast and oneDNN's are 2–2.5x slower: oneDNN made single-image beam
-  search about 0.6x as fast, and batch 64 only 1.01–1.03x.
+- on an Intel Xeon, MKL's few-row products are fast and oneDNN's up to 2.6x slower: oneDNN made single-image beam
+  search 0.53–0.59x as fast, and batch 64 0.98–1.03x.
 
 So oneDNN is used by default only on AMD CPUs with an MKL build of torch, the case it was measured to help (MKL is
 Intel's library and tuned for Intel's CPUs); everywhere else the decoder keeps torch's own path. torch itself calls
