@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from captioner.models.attention import AdditiveAttention
+from captioner.runtime import cpu_info
 
 # name -> (P, E, D, A, M, V): grid positions, encoder channels, LSTM, attention, embedding and vocabulary sizes.
 SIZES = {
@@ -27,16 +28,9 @@ class TextbookAdditiveAttention(AdditiveAttention):
 
 
 def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows: the hardware behind the figures
-    can change between runs on a rented machine, and the ratios depend on it."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name, else what `platform` knows: the hardware behind the figures can change between runs on a
+    rented machine, and the ratios depend on it."""
+    return cpu_info("model name") or platform.processor() or platform.machine()
 
 
 def machine() -> str:

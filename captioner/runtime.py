@@ -43,6 +43,18 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+def cpu_info(field: str) -> str:
+    """The value of `field` ("vendor_id", "model name") in Linux's /proc/cpuinfo, or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; Linux's /proc/cpuinfo, else what `platform` knows,
     which on Windows includes it), or "" when unknown (an Arm CPU has no vendor_id line).
@@ -50,11 +62,4 @@ def cpu_vendor() -> str:
     Some kernels that compute the same function differ in speed by CPU (captioner.models.onednn and
     captioner.models.attention choose by it; docs/benchmarks.md, On an Intel Xeon).
     """
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_info("vendor_id") or platform.processor()

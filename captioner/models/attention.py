@@ -88,8 +88,6 @@ class AdditiveAttention(Attention):
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         B, P, A = keys.shape
-        if self.form not in FORMS:
-            raise ConfigError(f"unknown additive scorer form {self.form!r}; choose one of {', '.join(FORMS)}")
         uh = self.U(h)  # (B,G,A)
         if torch.is_grad_enabled():  # one piece, unsliced: a slice would add a full-size zero-fill to the backward
             xs = [keys.unsqueeze(1) + uh.unsqueeze(2)]  # (B,G,P,A)
@@ -99,6 +97,8 @@ class AdditiveAttention(Attention):
         if self.form == "tanh":
             pieces = [self.v(x.tanh_()).squeeze(-1) for x in xs]  # each (b,G,P)
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (B,G,P)
+        if self.form != "sigmoid":
+            raise ConfigError(f"unknown additive scorer form {self.form!r}; choose one of {', '.join(FORMS)}")
         w = self.v.weight.squeeze(0)  # (A,)
         pieces = [x.mul_(2).sigmoid_() @ (2 * w) for x in xs]  # each (b,G,P)
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) + (self.v.bias - w.sum())  # (B,G,P)
