@@ -57,11 +57,11 @@ class PackedWeights:
             entry = self.copies[id(weight)] = (key, torch.ops.mkl._mkl_reorder_linear_weight(weight, 64))
         return entry[1]
 
-    def mib(self) -> float:
-        return sum(packed.numel() * packed.element_size() for _, packed in self.copies.values()) / 2**20
+    def sizes_mib(self) -> list[float]:
+        return [packed.numel() * packed.element_size() / 2**20 for _, packed in self.copies.values()]
 
-    def smallest_mib(self) -> float:
-        return min(packed.numel() * packed.element_size() for _, packed in self.copies.values()) / 2**20
+    def mib(self) -> float:
+        return sum(self.sizes_mib())
 
 
 def packed_linear(weights: PackedWeights, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -89,10 +89,7 @@ def packed(weights: PackedWeights) -> Iterator[None]:
             return cell_forward(self, x, state)
         h, c = state
         gates = packed_linear(weights, x, self.weight_ih, self.bias_ih)
-        gates = gates.add_(packed_linear(weights, h, self.weight_hh, self.bias_hh))
-        i, f, g, o = gates.chunk(4, dim=1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        return onednn.lstm_state(gates.add_(packed_linear(weights, h, self.weight_hh, self.bias_hh)), c)
 
     onednn.Linear.forward, onednn.LSTMCell.forward = linear, cell
     try:
@@ -146,7 +143,7 @@ def decoding(sizes: str) -> list[dict]:
                     "decoder MiB": f"{weight_mib:.0f}",
                     "packed copies MiB": f"{weights.mib():.0f}",
                     "copies": len(weights.copies),
-                    "smallest copy MiB": f"{weights.smallest_mib():.1f}",
+                    "smallest copy MiB": f"{min(weights.sizes_mib()):.1f}",
                 }
             )
     return rows

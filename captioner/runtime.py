@@ -63,3 +63,9 @@ def cpu_vendor() -> str:
     captioner.models.attention choose by it; docs/benchmarks.md, On an Intel Xeon).
     """
     return cpu_info("vendor_id") or platform.processor()
+
+
+def is_amd_cpu(vendor: str | None = None) -> bool:
+    """Whether `vendor` (default: this CPU's, `cpu_vendor()`) is AMD's: the CPU whose kernels' speeds set the
+    non-default choices of captioner.models.onednn and captioner.models.attention."""
+    return "AuthenticAMD" in (cpu_vendor() if vendor is None else vendor)

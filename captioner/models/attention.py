@@ -17,7 +17,7 @@ from torch import nn
 
 from captioner.errors import ConfigError
 from captioner.models.onednn import Linear
-from captioner.runtime import cpu_vendor
+from captioner.runtime import is_amd_cpu
 
 
 class Attention(nn.Module):
@@ -54,8 +54,7 @@ FORMS = ("tanh", "sigmoid")
 
 def default_form(vendor: str | None = None) -> str:
     """The additive scorer's form for this CPU: "sigmoid" on AMD CPUs, "tanh" elsewhere (see AdditiveAttention)."""
-    vendor = cpu_vendor() if vendor is None else vendor
-    return "sigmoid" if "AuthenticAMD" in vendor else "tanh"
+    return "sigmoid" if is_amd_cpu(vendor) else "tanh"
 
 
 class AdditiveAttention(Attention):
@@ -95,13 +94,14 @@ class AdditiveAttention(Attention):
             step = max(1, self.chunk_elements // (uh.size(1) * P * A))
             xs = (keys[i : i + step].unsqueeze(1) + uh[i : i + step].unsqueeze(2) for i in range(0, B, step))
         if self.form == "tanh":
-            pieces = [self.v(x.tanh_()).squeeze(-1) for x in xs]  # each (b,G,P)
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (B,G,P)
-        if self.form != "sigmoid":
+            pieces, offset = [self.v(x.tanh_()).squeeze(-1) for x in xs], None  # each (b,G,P)
+        elif self.form == "sigmoid":
+            w = self.v.weight.squeeze(0)  # (A,)
+            pieces, offset = [x.mul_(2).sigmoid_() @ (2 * w) for x in xs], self.v.bias - w.sum()  # each (b,G,P)
+        else:
             raise ConfigError(f"unknown additive scorer form {self.form!r}; choose one of {', '.join(FORMS)}")
-        w = self.v.weight.squeeze(0)  # (A,)
-        pieces = [x.mul_(2).sigmoid_() @ (2 * w) for x in xs]  # each (b,G,P)
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) + (self.v.bias - w.sum())  # (B,G,P)
+        e = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (B,G,P)
+        return e if offset is None else e + offset
 
 
 class GeneralAttention(Attention):

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.runtime import cpu_vendor
+from captioner.runtime import is_amd_cpu
 
 _linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 AVAILABLE = _linear_pointwise is not None and torch.backends.mkldnn.is_available()
@@ -54,9 +54,8 @@ def default_enabled(setting: str | None = None, vendor: str | None = None, mkl: 
         setting = "auto"
     if setting != "auto":
         return setting == "1"
-    vendor = cpu_vendor() if vendor is None else vendor
     mkl = torch.backends.mkl.is_available() if mkl is None else mkl
-    return mkl and "AuthenticAMD" in vendor
+    return mkl and is_amd_cpu(vendor)
 
 
 enabled = default_enabled()
@@ -110,6 +109,12 @@ class LSTMCell(nn.LSTMCell):
             return super().forward(x, state)
         h, c = state
         gates = linear(x, self.weight_ih, self.bias_ih).add_(linear(h, self.weight_hh, self.bias_hh))  # (N,4D)
-        i, f, g, o = gates.chunk(4, dim=1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        return lstm_state(gates, c)
+
+
+def lstm_state(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new (h, c) of an LSTM cell from its pre-activation gates (N,4D), in torch's order (input, forget, cell,
+    output), and the previous c (N,D)."""
+    i, f, g, o = gates.chunk(4, dim=1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
