@@ -11,6 +11,8 @@ row per image: the G hypotheses of an image attend over the same (P,E) memory wi
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +53,20 @@ class Attention(nn.Module):
 
 FORMS = ("tanh", "sigmoid")
 
+_workspace = threading.local()  # per thread: the memory the additive scorer builds its pieces in when decoding
+
+
+def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat tensor of `numel` elements for this thread to build the additive scorer's pieces in, reused from step
+    to step and call to call instead of allocated each time (see AdditiveAttention). Each thread keeps the largest
+    it has needed, on the device it last decoded on: `chunk_elements`, or one image's piece when that is larger
+    (under 4 MiB of float32 for beam 3 at both of benchmarks/common.py's sizes)."""
+    buffer = getattr(_workspace, "buffer", None)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+        with torch.inference_mode(False):  # a normal tensor: writable under inference_mode and no_grad alike
+            buffer = _workspace.buffer = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
 
 def default_form(vendor: str | None = None) -> str:
     """The additive scorer's form for this CPU: "sigmoid" on AMD CPUs, "tanh" elsewhere (see AdditiveAttention)."""
@@ -63,6 +79,10 @@ class AdditiveAttention(Attention):
     The (B,G,P,A) tensor x = W a_i + U h_{t-1} is the largest of a decoding step. It is updated in place rather than
     allocated twice, and when decoding (no autograd) it is built a few images at a time so that each piece stays in
     cache; training keeps one piece, as autograd stores it anyway and slicing would add to the backward pass.
+    When decoding, the pieces are built in one per-thread `workspace` that lives from call to call
+    (`reuse_workspace = False` gives each piece fresh memory, as before). A freshly allocated piece (4 MiB at batch
+    64) can come from pages that glibc's malloc gave back to the kernel, and every such page costs a fault and a
+    zero-fill (benchmarks/malloc.py, docs/benchmarks.md).
 
     `form` picks one of two ways to compute the same function, by which of torch's CPU kernels is faster
     (benchmarks/attention.py, docs/benchmarks.md):
@@ -74,6 +94,7 @@ class AdditiveAttention(Attention):
     """
 
     chunk_elements = 2**20  # about 4 MB of float32 per piece when decoding
+    reuse_workspace = True  # build the pieces in this thread's workspace (when decoding)
     form = default_form()
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
@@ -90,9 +111,18 @@ class AdditiveAttention(Attention):
         uh = self.U(h)  # (B,G,A)
         if torch.is_grad_enabled():  # one piece, unsliced: a slice would add a full-size zero-fill to the backward
             xs = [keys.unsqueeze(1) + uh.unsqueeze(2)]  # (B,G,P,A)
-        else:
-            step = max(1, self.chunk_elements // (uh.size(1) * P * A))
-            xs = (keys[i : i + step].unsqueeze(1) + uh[i : i + step].unsqueeze(2) for i in range(0, B, step))
+        else:  # pieces of `step` images; xs is consumed lazily below, each piece used up before the next is built
+            G = uh.size(1)
+            step = max(1, self.chunk_elements // (G * P * A))
+            pairs = zip(keys.split(step), uh.split(step), strict=True)
+            if self.reuse_workspace:  # every piece in the same memory, overwriting the one before
+                memory = workspace(min(step, B) * G * P * A, torch.result_type(keys, uh), keys.device)
+                xs = (
+                    torch.add(k.unsqueeze(1), u.unsqueeze(2), out=memory[: k.numel() * G].view(k.size(0), G, P, A))
+                    for k, u in pairs
+                )
+            else:
+                xs = (k.unsqueeze(1) + u.unsqueeze(2) for k, u in pairs)
         if self.form == "tanh":
             pieces, offset = [self.v(x.tanh_()).squeeze(-1) for x in xs], None  # each (b,G,P)
         elif self.form == "sigmoid":

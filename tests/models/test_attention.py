@@ -1,7 +1,10 @@
+import threading
+
 import pytest
 import torch
 
 from captioner.errors import ConfigError
+from captioner.models import attention as attention_module
 from captioner.models.attention import (
     ATTENTIONS,
     FORMS,
@@ -9,6 +12,7 @@ from captioner.models.attention import (
     DotAttention,
     build_attention,
     default_form,
+    workspace,
 )
 
 B, P, E, D, A = 3, 6, 8, 5, 7
@@ -53,17 +57,79 @@ def test_additive_score_and_its_gradients_equal_the_tanh_form(monkeypatch, form)
         assert torch.allclose(g_fast, g_ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("reuse_workspace", [True, False])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("chunk_elements", [1, 2 * P * A, 2**20])  # one image per piece, two, all at once
-def test_additive_score_built_in_pieces_when_decoding_is_the_same(monkeypatch, chunk_elements, form):
+def test_additive_score_built_in_pieces_when_decoding_is_the_same(monkeypatch, chunk_elements, form, reuse_workspace):
     monkeypatch.setattr(AdditiveAttention, "form", form)
     attention = AdditiveAttention(E, D, A)
     attention.chunk_elements = chunk_elements
+    attention.reuse_workspace = reuse_workspace
     a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
     with torch.inference_mode():
         keys = attention.project(a)
         reference = attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
         assert torch.allclose(attention.score(keys, h), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_decoding_reuses_one_workspace_and_returns_scores_that_do_not_share_it(monkeypatch, form):
+    monkeypatch.setattr(AdditiveAttention, "form", form)
+    attention = AdditiveAttention(E, D, A)
+    attention.chunk_elements = P * A  # one image per piece: pieces overwrite each other's memory
+    given = []  # the memory each call was given, and a copy of what it held then
+
+    def recorded(numel, dtype, device):
+        memory = workspace(numel, dtype, device)
+        given.append((memory, memory.clone()))
+        return memory
+
+    monkeypatch.setattr(attention_module, "workspace", recorded)
+    a = torch.randn(B, P, E)
+    with torch.inference_mode():
+        keys = attention.project(a)
+        first_h, second_h = torch.randn(B, 2, D), torch.randn(B, 2, D)
+        first = attention.score(keys, first_h)
+        kept = first.clone()
+        second = attention.score(keys, second_h)
+        assert torch.equal(first, kept)  # the second call did not write into the first one's scores
+        for h, scores in ((first_h, first), (second_h, second)):
+            reference = attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
+            assert torch.allclose(scores, reference, atol=1e-5)
+    assert len(given) == 2 and given[0][0].data_ptr() == given[1][0].data_ptr()  # both calls had the same memory
+    assert not torch.equal(given[1][0], given[1][1])  # and the second call built its pieces in it
+
+
+def test_the_workspace_is_writable_under_no_grad_after_inference_mode():
+    attention = AdditiveAttention(E, D, A)
+    a, h = torch.randn(B, P, E), torch.randn(B, 1, D)
+    with torch.inference_mode():  # the workspace is made here first ...
+        expected = attention.score(attention.project(a), h)
+    with torch.no_grad():  # ... and written here: an inference tensor would refuse the in-place update
+        assert torch.allclose(attention.score(attention.project(a), h), expected)
+
+
+def test_each_thread_has_its_own_workspace():
+    taken = {}  # the tensors themselves, so that a finished thread's memory cannot be handed to the next one
+
+    def take(name):
+        taken[name] = workspace(64, torch.float32, torch.device("cpu"))
+
+    threads = [threading.Thread(target=take, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    take("main")
+    assert len({memory.data_ptr() for memory in taken.values()}) == 3
+
+
+def test_the_workspace_grows_and_follows_the_dtype():
+    small = workspace(8, torch.float32, torch.device("cpu"))
+    large = workspace(10**4, torch.float32, torch.device("cpu"))
+    assert small.numel() == 8 and large.numel() == 10**4
+    assert workspace(8, torch.float32, torch.device("cpu")).data_ptr() == large.data_ptr()  # kept, not shrunk
+    assert workspace(8, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
