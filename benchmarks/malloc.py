@@ -1,9 +1,15 @@
-"""Does keeping freed memory in the process help? `captioner.runtime.keep_freed_memory` on and off.
+"""Page faults from glibc's malloc: the additive scorer's reused workspace and `captioner.runtime.keep_freed_memory`.
 
     python benchmarks/malloc.py
 
-A malloc setting holds for a whole process, so each measurement runs in a fresh child process, and the two settings
-take turns (ROUNDS pairs) so that a slow spell of the shared machine hits both. Each child times, at the shapes
+Three settings:
+- "fresh pieces": glibc's default, and the scorer builds each piece of its (B,G,P,A) tensor in fresh memory
+  (`AdditiveAttention.reuse_workspace = False`, the library before commit 511f375);
+- "glibc default": the library as a Python user gets it, the scorer reusing its per-thread workspace;
+- "keep_freed_memory()": also glibc's thresholds raised, as the `captioner` command does at start-up.
+
+A malloc setting holds for a whole process, so each measurement runs in a fresh child process, and the settings take
+turns (ROUNDS rounds) so that a slow spell of the shared machine hits them all. Each child times, at the shapes
 sizes, beam 3 at batch 64 and at batch 1 (decode.py's setting: random decoder, 16 steps, fastest of 8 calls each)
 and a teacher-forced training step at batch 64 (train_step.py's, median), and counts the minor page faults of one
 batch-64 beam-search call and of one training step.
@@ -22,10 +28,16 @@ from decode import MAX_LEN, SPECIAL, random_decoder
 from train_step import trainer
 
 from captioner.decoding import beam_search
+from captioner.models.attention import AdditiveAttention
 from captioner.models.decoder import AttentionDecoder
 from captioner.runtime import keep_freed_memory
 
 ROUNDS = 4
+SETTINGS = {  # name -> (keep_freed_memory, reuse_workspace)
+    "fresh pieces": (False, False),
+    "glibc default": (False, True),
+    "keep_freed_memory()": (True, True),
+}
 
 
 def faults(fn) -> int:
@@ -34,7 +46,8 @@ def faults(fn) -> int:
     return page_faults() - before
 
 
-def child(keep: bool) -> dict:
+def child(setting: str) -> dict:
+    keep, AdditiveAttention.reuse_workspace = SETTINGS[setting]
     applied = keep_freed_memory() if keep else False
     P, E = SIZES["shapes"][:2]
     decoder = random_decoder("shapes")
@@ -56,19 +69,19 @@ def child(keep: bool) -> dict:
 
 
 def main() -> None:
-    runs = {False: [], True: []}
+    runs = {setting: [] for setting in SETTINGS}
     for _ in range(ROUNDS):
-        for keep in (False, True):
+        for setting in SETTINGS:
             output = subprocess.run(
-                [sys.executable, __file__, "--child", str(int(keep))], check=True, capture_output=True, text=True
+                [sys.executable, __file__, "--child", setting], check=True, capture_output=True, text=True
             ).stdout
-            runs[keep].append(json.loads(output.strip().splitlines()[-1]))
+            runs[setting].append(json.loads(output.strip().splitlines()[-1]))
     rows = []
-    for keep, name in ((False, "glibc default"), (True, "keep_freed_memory()")):
-        for i, run in enumerate(runs[keep]):
+    for setting, setting_runs in runs.items():
+        for i, run in enumerate(setting_runs):
             rows.append(
                 {
-                    "malloc": name,
+                    "setting": setting,
                     "process": i + 1,
                     "beam 3 b64 images/s": f"{run['b64_images_per_s']:.0f}",
                     "beam 3 b1 images/s": f"{run['b1_images_per_s']:.1f}",
@@ -81,28 +94,35 @@ def main() -> None:
     print(f"shapes sizes, beam 3, {MAX_LEN} steps; training batch 64; {ROUNDS} processes each; {machine()}\n")
     print(table(rows))
 
-    def median(keep: bool, key: str) -> float:
-        return statistics.median(run[key] for run in runs[keep])
+    def median(setting: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[setting])
 
-    def ratio(keep: bool) -> float:
-        return statistics.median(run["b64_images_per_s"] / run["b1_images_per_s"] for run in runs[keep])
+    def speedup(setting: str, key: str) -> str:
+        return f"{median(setting, key) / median('fresh pieces', key):.2f}"
+
+    def ratio(setting: str) -> str:
+        return f"{statistics.median(run['b64_images_per_s'] / run['b1_images_per_s'] for run in runs[setting]):.1f}"
 
     print(
         result(
-            applied=all(run["applied"] for run in runs[True]),
-            b64_speedup=f"{median(True, 'b64_images_per_s') / median(False, 'b64_images_per_s'):.2f}",
-            b1_speedup=f"{median(True, 'b1_images_per_s') / median(False, 'b1_images_per_s'):.2f}",
-            train_speedup=f"{median(True, 'train_captions_per_s') / median(False, 'train_captions_per_s'):.2f}",
-            median_ratio_default=f"{ratio(False):.1f}",
-            median_ratio_kept=f"{ratio(True):.1f}",
-            median_decode_faults_default=f"{median(False, 'decode_faults'):.0f}",
-            median_decode_faults_kept=f"{median(True, 'decode_faults'):.0f}",
+            applied=all(run["applied"] for run in runs["keep_freed_memory()"]),
+            workspace_b64_speedup=speedup("glibc default", "b64_images_per_s"),
+            workspace_b1_speedup=speedup("glibc default", "b1_images_per_s"),
+            kept_b64_speedup=speedup("keep_freed_memory()", "b64_images_per_s"),
+            kept_b1_speedup=speedup("keep_freed_memory()", "b1_images_per_s"),
+            kept_train_speedup=speedup("keep_freed_memory()", "train_captions_per_s"),
+            median_ratio_fresh=ratio("fresh pieces"),
+            median_ratio_default=ratio("glibc default"),
+            median_ratio_kept=ratio("keep_freed_memory()"),
+            median_decode_faults_fresh=f"{median('fresh pieces', 'decode_faults'):.0f}",
+            median_decode_faults_default=f"{median('glibc default', 'decode_faults'):.0f}",
+            median_decode_faults_kept=f"{median('keep_freed_memory()', 'decode_faults'):.0f}",
         )
     )
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(bool(int(sys.argv[2])))))
+        print(json.dumps(child(sys.argv[2])))
     else:
         main()
