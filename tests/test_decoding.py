@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from captioner.decoding import beam_search, greedy_search
+from captioner.models.attention import AdditiveAttention
 from captioner.models.decoder import AttentionDecoder
 
 PAD, START, END, A, B, C = range(6)
@@ -219,3 +220,24 @@ def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothe
     assert any(rows < attended for rows, attended in zip(counter.rows, counter.attended, strict=True))
     assert not any(END in words or PAD in words for words in counter.words)
     assert out.decoder_rows == counter.rows
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_the_scorers_workspace_changes_no_result(monkeypatch, search):
+    """The additive scorer's reused workspace (several pieces per step, as at batch 64) gives bit for bit the results
+    of fresh memory for every piece."""
+    decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
+    decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the batch shrinks under the workspace
+    monkeypatch.setattr(AdditiveAttention, "chunk_elements", 2 * 3 * 9 * decoder.attention.W.out_features)
+
+    def run(reuse_workspace):
+        monkeypatch.setattr(AdditiveAttention, "reuse_workspace", reuse_workspace)
+        with torch.inference_mode():
+            if search == "greedy":
+                return greedy_search(decoder, annotations, max_len=10, **SPECIAL)
+            return beam_search(decoder, annotations, beam_size=3, max_len=10, **SPECIAL)
+
+    reused, fresh = run(True), run(False)
+    for name in ("tokens", "lengths", "scores", "alphas"):
+        assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
+    assert reused.decoder_rows == fresh.decoder_rows
