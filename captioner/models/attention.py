@@ -58,8 +58,8 @@ _workspace = threading.local()  # per thread: the memory the additive scorer bui
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat tensor of `numel` elements for this thread to build the additive scorer's pieces in, reused from step
-    to step and call to call instead of allocated each time (see AdditiveAttention). Each thread keeps the largest
-    it has needed, on the device it last decoded on: `chunk_elements`, or one image's piece when that is larger
+    to step and call to call instead of allocated each time (see AdditiveAttention). Each thread keeps one, the
+    largest it has needed since its dtype or device last changed: `chunk_elements`, or one image's piece when larger
     (under 4 MiB of float32 for beam 3 at both of benchmarks/common.py's sizes)."""
     buffer = getattr(_workspace, "buffer", None)
     if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
@@ -115,7 +115,9 @@ class AdditiveAttention(Attention):
             G = uh.size(1)
             step = max(1, self.chunk_elements // (G * P * A))
             pairs = zip(keys.split(step), uh.split(step), strict=True)
-            if self.reuse_workspace:  # every piece in the same memory, overwriting the one before
+            # Every piece in the same memory, overwriting the one before; not while torch.compile traces the scorer,
+            # which plans its own buffers (and would break its graph at the thread-local workspace).
+            if self.reuse_workspace and not torch.compiler.is_compiling():
                 memory = workspace(min(step, B) * G * P * A, torch.result_type(keys, uh), keys.device)
                 xs = (
                     torch.add(k.unsqueeze(1), u.unsqueeze(2), out=memory[: k.numel() * G].view(k.size(0), G, P, A))

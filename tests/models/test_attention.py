@@ -167,3 +167,18 @@ def test_mask_gives_zero_weight():
 def test_unknown_attention_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown attention"):
         build_attention("luong", E, D, A)
+
+
+def test_torch_compile_traces_the_decoding_scorer_in_one_graph():
+    """While torch.compile traces it, the scorer does not use the thread-local workspace, which would break the
+    graph (Inductor plans its own buffers)."""
+    attention = AdditiveAttention(E, D, A)
+    attention.chunk_elements = P * A  # several pieces
+    a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        keys = attention.project(a)
+        explained = torch._dynamo.explain(attention.score)(keys, h)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        reference = attention.v(torch.tanh(keys.unsqueeze(1) + attention.U(h).unsqueeze(2))).squeeze(-1)
+        assert torch.allclose(torch.compile(attention.score, backend="eager")(keys, h), reference, atol=1e-5)
