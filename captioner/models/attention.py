@@ -80,9 +80,9 @@ class AdditiveAttention(Attention):
     allocated twice, and when decoding (no autograd) it is built a few images at a time so that each piece stays in
     cache; training keeps one piece, as autograd stores it anyway and slicing would add to the backward pass.
     When decoding, the pieces are built in one per-thread `workspace` that lives from call to call
-    (`reuse_workspace = False` gives each piece fresh memory, as before). A freshly allocated piece (4 MiB at batch
-    64) can come from pages that glibc's malloc gave back to the kernel, and every such page costs a fault and a
-    zero-fill (benchmarks/malloc.py, docs/benchmarks.md).
+    (`reuse_workspace = False` gives each piece fresh memory, as before, and so does tracing by torch.compile). A
+    freshly allocated piece (4 MiB at batch 64) can come from pages that glibc's malloc gave back to the kernel, and
+    every such page costs a fault and a zero-fill (benchmarks/malloc.py, docs/benchmarks.md).
 
     `form` picks one of two ways to compute the same function, by which of torch's CPU kernels is faster
     (benchmarks/attention.py, docs/benchmarks.md):
