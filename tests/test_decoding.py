@@ -228,7 +228,8 @@ def test_the_scorers_workspace_changes_no_result(monkeypatch, search):
     of fresh memory for every piece."""
     decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
     decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the batch shrinks under the workspace
-    monkeypatch.setattr(AdditiveAttention, "chunk_elements", 2 * 3 * 9 * decoder.attention.W.out_features)
+    # two images per piece in greedy search, one in beam search: several pieces share the workspace in each step
+    monkeypatch.setattr(AdditiveAttention, "chunk_elements", 2 * 9 * decoder.attention.W.out_features)
 
     def run(reuse_workspace):
         monkeypatch.setattr(AdditiveAttention, "reuse_workspace", reuse_workspace)
