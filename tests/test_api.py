@@ -82,7 +82,7 @@ def test_bf16_mixed_runs_in_bfloat16_and_returns_float32_results_and_mostly_the_
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # autocast was on: two batches of annotations in bfloat16
     for r in results:
         assert r.alphas.dtype == torch.float32 and r.alphas.shape[0] == len(r.tokens)
-        assert torch.allclose(r.alphas.sum(-1), torch.ones(len(r.tokens)), atol=1e-3)
+        assert torch.allclose(r.alphas.sum(-1), torch.ones(len(r.tokens)), atol=1e-5)  # softmax in float32
     same = sum(a.tokens == b.tokens for a, b in zip(results, reference, strict=True))
     assert same >= 12  # benchmarks/precision.py: 236 of 256 test captions are unchanged
 

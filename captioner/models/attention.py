@@ -40,14 +40,16 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """annotations (B,P,E), keys (B,P,K), h (B*G,D), mask (B,P) True where valid -> context (B*G,E), alpha
-        (B*G,P)."""
+        (B*G,P), in float32 also under autocast (float64 for a float64 model)."""
         B, P, E = annotations.shape
         G = h.size(0) // B  # hypotheses per image: 1, or the beam size
         e = self.score(keys, h.view(B, G, -1))  # (B,G,P)
         if mask is not None:
             e = e.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        alpha = F.softmax(e, dim=-1)  # (B,G,P)
-        context = torch.bmm(alpha, annotations)  # (B,G,E)
+        # The softmax runs in float32 at least, as CUDA's autocast runs it; CPU autocast would keep it in bfloat16, and
+        # the weights returned for the overlays and the attention penalty would sum to 1 only within about 2^-8.
+        alpha = F.softmax(e, dim=-1, dtype=torch.promote_types(e.dtype, torch.float32))  # (B,G,P)
+        context = torch.bmm(alpha.to(annotations.dtype), annotations)  # (B,G,E)
         return context.view(B * G, E), alpha.view(B * G, P)
 
 

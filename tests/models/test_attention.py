@@ -29,6 +29,23 @@ def test_weights_sum_to_one_and_context_is_their_average(kind):
     assert torch.allclose(context, (alpha.unsqueeze(-1) * a).sum(dim=1), atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", sorted(ATTENTIONS))
+def test_weights_are_float32_in_low_precision_and_keep_float64(kind):
+    torch.manual_seed(0)
+    attention = build_attention(kind, E, D, A)
+    a, h = torch.randn(64, 49, E), 4 * torch.randn(64, D)  # bfloat16 weights would sum to 1 only within ~2^-8
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        context, alpha = attention(a, attention.project(a), h)
+    assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16  # the bmm still runs under autocast
+    assert torch.allclose(alpha.sum(dim=1), torch.ones(64), atol=1e-6)
+    low = attention.to(torch.bfloat16)  # a bfloat16 module without autocast: the context stays in its dtype
+    context, alpha = low(a.bfloat16(), low.project(a.bfloat16()), h.bfloat16())
+    assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16
+    high = attention.to(torch.float64)
+    context, alpha = high(a.double(), high.project(a.double()), h.double())
+    assert alpha.dtype == context.dtype == torch.float64
+
+
 def test_additive_score_matches_the_formula():
     attention = AdditiveAttention(E, D, A)
     a, h = torch.randn(B, P, E), torch.randn(B, D)
