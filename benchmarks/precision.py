@@ -6,8 +6,9 @@ First table: the bundled shapes model on 256 shapes test images, batch 64, beam 
 `Captioner` (and `captioner caption --precision`) runs: the encoder on preprocessed tensors, then the search on the
 annotations it gave (bfloat16 ones under bf16-mixed). Each figure is the fastest of ROUNDS rounds in which the
 precisions take turns.
-BLEU-4 (nltk, the same as test/bleu4) is against the five references of each image, and "same captions" counts the
-captions identical to float32's.
+BLEU-4 (nltk, the same as test/bleu4) is against the five references of each image, "same captions" counts the
+captions identical to float32's, and "largest |sum alpha - 1|" is how far the attention weights of a generated word
+(the overlays' weights) are from summing to 1, at worst.
 
 Second table: decode.py's setting (random decoder, `<end>` suppressed, 16 steps, float32 annotations as from the
 feature cache), beam 3 at batch 1 and 64 under each precision, and the per-image gain of batch 64: the fastest of
@@ -49,6 +50,15 @@ def clock(fn):
     return time.perf_counter() - start, out
 
 
+def alpha_sum_error(generations: list) -> float:
+    """The largest |sum_i alpha_ti - 1| over the words generated (not the padding after each caption's end)."""
+    errors = []
+    for g in generations:
+        words = torch.arange(g.alphas.size(1)) < g.lengths.unsqueeze(1)  # (B,T)
+        errors.append((g.alphas.sum(-1) - 1).abs()[words])
+    return float(torch.cat(errors).max())
+
+
 def trained_model() -> tuple[list[dict], dict]:
     captioner = Captioner.load("shapes", device="cpu")
     model = captioner.model
@@ -61,7 +71,7 @@ def trained_model() -> tuple[list[dict], dict]:
         return [beam_search(model.decoder, annotations, beam_size=BEAM, **special) for annotations in encoded]
 
     encode_s, search_s = dict.fromkeys(PRECISIONS, float("inf")), dict.fromkeys(PRECISIONS, float("inf"))
-    captions = {}
+    captions, alpha_errors = {}, {}
     for _ in range(ROUNDS):
         for precision in PRECISIONS:
             with torch.inference_mode(), autocast(precision, "cpu"):
@@ -70,6 +80,7 @@ def trained_model() -> tuple[list[dict], dict]:
                 seconds, out = clock(partial(search, encoded))
                 search_s[precision] = min(search_s[precision], seconds)
             captions[precision] = [captioner.vocab.decode_tokens(t) for g in out for t in g.tokens.tolist()]
+            alpha_errors[precision] = alpha_sum_error(out)
     rows = []
     for precision in PRECISIONS:
         same = sum(a == b for a, b in zip(captions[precision], captions["32-true"], strict=True))
@@ -81,12 +92,14 @@ def trained_model() -> tuple[list[dict], dict]:
                 "both images/s": f"{N / (encode_s[precision] + search_s[precision]):.1f}",
                 "BLEU-4": f"{bleu(captions[precision], references):.4f}",
                 "same captions": f"{same}/{N}",
+                "largest |sum alpha - 1|": f"{alpha_errors[precision]:.1e}",
             }
         )
     figures = {
         "encoder": encode_s["32-true"] / encode_s["bf16-mixed"],
         "search": search_s["32-true"] / search_s["bf16-mixed"],
         "same": rows[1]["same captions"],
+        "alpha_error": rows[1]["largest |sum alpha - 1|"],
     }
     return rows, figures
 
@@ -132,6 +145,7 @@ def main() -> None:
             bf16_encoder_speedup=f"{trained['encoder']:.2f}",
             bf16_search_speedup=f"{trained['search']:.2f}",
             bf16_same_captions=trained["same"],
+            bf16_alpha_sum_error=trained["alpha_error"],
             shapes_beam3_b64_over_b1_32=f"{gains['shapes']['32-true']:.1f}",
             shapes_beam3_b64_over_b1_bf16=f"{gains['shapes']['bf16-mixed']:.1f}",
             paper_beam3_b64_over_b1_32=f"{gains['paper']['32-true']:.1f}",
