@@ -38,11 +38,11 @@ def test_weights_are_float32_in_low_precision_and_keep_float64(kind):
         context, alpha = attention(a, attention.project(a), h)
     assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16  # the bmm still runs under autocast
     assert torch.allclose(alpha.sum(dim=1), torch.ones(64), atol=1e-6)
-    low = attention.to(torch.bfloat16)  # a bfloat16 module without autocast: the context stays in its dtype
-    context, alpha = low(a.bfloat16(), low.project(a.bfloat16()), h.bfloat16())
+    attention.to(torch.bfloat16)  # a bfloat16 module without autocast: the context stays in its dtype
+    context, alpha = attention(a.bfloat16(), attention.project(a.bfloat16()), h.bfloat16())
     assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16
-    high = attention.to(torch.float64)
-    context, alpha = high(a.double(), high.project(a.double()), h.double())
+    attention.to(torch.float64)
+    context, alpha = attention(a.double(), attention.project(a.double()), h.double())
     assert alpha.dtype == context.dtype == torch.float64
 
 
