@@ -8,6 +8,10 @@ function as 2v . sigmoid(2x) + b - sum(v) ("sigmoid" form); which is the default
 scoring call each way: while decoding (batch 64, beam 3, inference mode) and while training (batch 64, forward +
 backward). The forms take turns over three rounds; each figure is the fastest round's median call. The RESULT line
 gives the speed-up of this CPU's default form over the textbook, and of the tanh form over the sigmoid form.
+
+A second table does the same under CPU autocast to bfloat16 (bf16-mixed), where captioner computes everything but
+the matmuls W a and U h in float32 (`AdditiveAttention.float32_under_cpu_autocast`): that, in this CPU's default
+form, against plain autocast, which computes it all in bfloat16, in either form. Its RESULT keys start with bf16_.
 """
 
 from __future__ import annotations
@@ -22,15 +26,56 @@ BATCH = 64
 ROUNDS = 3
 
 
-def milliseconds(attention, keys, h, train: bool) -> float:
+def milliseconds(attention, keys, h, train: bool, bf16: bool = False) -> float:
     def run():
-        if train:
-            attention.score(keys, h).sum().backward()
-        else:
-            with torch.inference_mode():
-                attention.score(keys, h)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if train:
+                attention.score(keys, h).sum().backward()
+            else:
+                with torch.inference_mode():
+                    attention.score(keys, h)
 
     return 1e3 * timed(run, repeats=30, warmup=3)
+
+
+def bf16_table() -> tuple[list[dict], dict]:
+    """Under bf16 autocast: captioner's float32 scorer (default form) against plain autocast in either form."""
+    rows, figures = [], {}
+    default = AdditiveAttention.form
+    for sizes in ("shapes", "paper"):
+        P, E, D, A, _, _ = SIZES[sizes]
+        torch.manual_seed(0)
+        attention = AdditiveAttention(E, D, A)
+        for mode, G in (("decode, beam 3", 3), ("train", 1)):
+            train = mode == "train"
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # keys as `project` gives them: bfloat16 when plain
+                keys = {
+                    flag: attention.W(torch.randn(BATCH, P, E)).to(torch.float32 if flag else torch.bfloat16).detach()
+                    for flag in (True, False)
+                }
+            h = torch.randn(BATCH, G, D)
+            for k in keys.values():
+                k.requires_grad_(train)
+            ways = {("float32", default): True, ("bfloat16", "tanh"): False, ("bfloat16", "sigmoid"): False}
+            ms = dict.fromkeys(ways, float("inf"))
+            for _ in range(ROUNDS):
+                for (dtype, form), flag in ways.items():
+                    attention.form, attention.float32_under_cpu_autocast = form, flag
+                    ms[dtype, form] = min(ms[dtype, form], milliseconds(attention, keys[flag], h, train, bf16=True))
+            ours, plain = ms["float32", default], ms["bfloat16", default]
+            figures[sizes, mode] = (plain / ours, min(ms["bfloat16", "tanh"], ms["bfloat16", "sigmoid"]) / ours)
+            rows.append(
+                {
+                    "sizes": sizes,
+                    "use": mode,
+                    f"float32 ({default}) ms": f"{ours:.2f}",
+                    "bfloat16 tanh ms": f"{ms['bfloat16', 'tanh']:.2f}",
+                    "bfloat16 sigmoid ms": f"{ms['bfloat16', 'sigmoid']:.2f}",
+                    f"float32 over bfloat16 ({default})": f"{figures[sizes, mode][0]:.2f}x",
+                    "over the faster bfloat16": f"{figures[sizes, mode][1]:.2f}x",
+                }
+            )
+    return rows, figures
 
 
 def main() -> None:
@@ -67,6 +112,9 @@ def main() -> None:
     vendor = cpu_vendor() or "unknown"
     print(f"one scoring call, batch {BATCH}; {machine()}; vendor {vendor}, default form {AdditiveAttention.form}\n")
     print(table(rows))
+    bf16_rows, bf16 = bf16_table()
+    print("\nthe same under CPU autocast to bfloat16 (bf16-mixed)\n")
+    print(table(bf16_rows))
     print(
         result(
             default_form=AdditiveAttention.form,
@@ -78,6 +126,10 @@ def main() -> None:
             shapes_train_tanh_over_sigmoid=f"{figures['shapes', 'train'][1]:.2f}",
             paper_decode_tanh_over_sigmoid=f"{figures['paper', 'decode, beam 3'][1]:.2f}",
             paper_train_tanh_over_sigmoid=f"{figures['paper', 'train'][1]:.2f}",
+            bf16_shapes_decode_float32_speedup=f"{bf16['shapes', 'decode, beam 3'][0]:.2f}",
+            bf16_shapes_train_float32_speedup=f"{bf16['shapes', 'train'][0]:.2f}",
+            bf16_paper_decode_float32_speedup=f"{bf16['paper', 'decode, beam 3'][0]:.2f}",
+            bf16_paper_train_float32_speedup=f"{bf16['paper', 'train'][0]:.2f}",
         )
     )
 

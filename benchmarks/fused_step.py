@@ -131,7 +131,7 @@ def agreement(batch: int = 64) -> dict:
         steps = []
         for decoder in (library, fused):
             a, keys = decoder.prepare(annotations)
-            logits, _, _ = decoder.step(tokens, decoder.init_state(a), a, keys)
+            logits, _, _ = decoder.step(tokens, decoder.init_state(annotations), a, keys)
             steps.append(F.log_softmax(logits, dim=-1))
     same = sum(
         x[: int(n)].tolist() == y[: int(m)].tolist()

@@ -47,8 +47,8 @@ def greedy_search(
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
     B, P, _ = annotations.shape
     device = annotations.device
-    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K)
     h, c = decoder.init_state(annotations)
+    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K)
     alive = torch.arange(B, device=device)  # the captions still being written, and the rows of h, c, annotations
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
     out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
@@ -105,8 +105,8 @@ def beam_search(
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
     device = annotations.device
-    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
+    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
     # The annotations and keys stay one row per image: beams only ever move within their own image, and attention
     # broadcasts one image's memory over its hypotheses (see captioner.models.attention).
 

@@ -182,7 +182,7 @@ def reference_beam_search(decoder, annotations, beam_size, max_len):
     results = []
     for image in annotations:
         memory, keys = decoder.prepare(image.unsqueeze(0))
-        beams = [([], 0.0, decoder.init_state(memory))]  # words so far, log-probability, state
+        beams = [([], 0.0, decoder.init_state(image.unsqueeze(0)))]  # words so far, log-probability, state
         for _ in range(max_len):
             candidates = []
             for words, score, state in beams:
@@ -242,3 +242,33 @@ def test_the_scorers_workspace_changes_no_result(monkeypatch, search):
     for name in ("tokens", "lengths", "scores", "alphas"):
         assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
     assert reused.decoder_rows == fresh.decoder_rows
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_under_autocast_the_annotations_are_cast_once_with_the_results_of_casting_them_every_step(monkeypatch, search):
+    """`prepare` casts float32 annotations to autocast's type once per search; the steps' bmm would otherwise cast
+    them at every step. The results are bit for bit the same."""
+    decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
+    decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the cast annotations shrink with the batch
+    prepare, prepared = decoder.prepare, []
+
+    def recorded(a):
+        out = prepare(a)
+        prepared.append(out[0].dtype)
+        return out
+
+    def run():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            if search == "greedy":
+                return greedy_search(decoder, annotations, max_len=10, **SPECIAL)
+            return beam_search(decoder, annotations, beam_size=3, max_len=10, **SPECIAL)
+
+    monkeypatch.setattr(decoder, "prepare", recorded)
+    once = run()
+    monkeypatch.setattr(decoder, "prepare", lambda a: (a, prepare(a)[1]))  # float32 annotations into every step
+    every_step = run()
+    assert prepared == [torch.bfloat16]
+    for name in ("tokens", "lengths", "scores", "alphas"):
+        assert torch.equal(getattr(once, name), getattr(every_step, name)), name
+    with torch.inference_mode():  # and without autocast, prepare keeps float32
+        assert prepare(annotations)[0].dtype == torch.float32

@@ -93,11 +93,18 @@ class AdditiveAttention(Attention):
     - "sigmoid": 2v . sigmoid(2x) + b - sum(v), since tanh(x) = 2 sigmoid(2x) - 1; the default on AMD CPUs, where
       torch's tanh kernel was several times slower than its sigmoid.
     The class attribute sets it for every instance (`AdditiveAttention.form = "tanh"`), an instance's for one.
+
+    Under autocast on a CPU (bf16-mixed), the keys are kept in float32 and x, its tanh and v . tanh(x) are computed
+    in float32; the matmuls W a and U h still run in bfloat16. Plain autocast would compute all of it in bfloat16,
+    as it still does on a GPU. Not a choice of the paper's, which predates mixed precision: torch's bfloat16 tanh
+    kernel was 6x slower on a CPU than its float32 one (0.7x with the sigmoid form), and float32 is also the more
+    precise (benchmarks/precision.py, docs/benchmarks.md). `float32_under_cpu_autocast = False` gives plain autocast.
     """
 
     chunk_elements = 2**20  # about 4 MB of float32 per piece when decoding
     reuse_workspace = True  # build the pieces in this thread's workspace (when decoding)
     form = default_form()
+    float32_under_cpu_autocast = True
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
         super().__init__()
@@ -105,12 +112,25 @@ class AdditiveAttention(Attention):
         self.U = Linear(decoder_dim, attention_dim, bias=False)  # W already carries the bias
         self.v = Linear(attention_dim, 1)
 
+    def _in_float32(self, x: torch.Tensor) -> bool:
+        """Whether to score in float32 rather than autocast's type (see the class docstring)."""
+        return self.float32_under_cpu_autocast and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
     def project(self, annotations: torch.Tensor) -> torch.Tensor:
-        return self.W(annotations)  # (B,P,A)
+        keys = self.W(annotations)  # (B,P,A)
+        return keys.to(torch.promote_types(keys.dtype, torch.float32)) if self._in_float32(keys) else keys
 
     def score(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        B, P, A = keys.shape
         uh = self.U(h)  # (B,G,A)
+        if not self._in_float32(uh):
+            return self._score(keys, uh)
+        dtype = torch.promote_types(torch.result_type(keys, uh), torch.float32)
+        with torch.autocast("cpu", enabled=False):  # or v . tanh(x) would go back to bfloat16
+            return self._score(keys.to(dtype), uh.to(dtype))
+
+    def _score(self, keys: torch.Tensor, uh: torch.Tensor) -> torch.Tensor:
+        """keys (B,P,A) and U h (B,G,A) -> e (B,G,P)."""
+        B, P, A = keys.shape
         if torch.is_grad_enabled():  # one piece, unsliced: a slice would add a full-size zero-fill to the backward
             xs = [keys.unsqueeze(1) + uh.unsqueeze(2)]  # (B,G,P,A)
         else:  # pieces of `step` images; xs is consumed lazily below, each piece used up before the next is built

@@ -81,11 +81,19 @@ class AttentionDecoder(nn.Module):
     # separately. The result is the same, and the big (B,P,E) annotations never enter the autograd graph.
 
     def prepare(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step-independent work, once per batch: (B,P,E) -> annotations (B,P,E), attention keys (B,P,K)."""
+        """Step-independent work, once per batch: (B,P,E) -> the annotations as the steps use them (B,P,E), and the
+        attention keys (B,P,K). `init_state` takes the annotations as given, not these.
+
+        Under autocast, float32 annotations are cast to autocast's type here, once: each step's attention bmm would
+        cast them again, the largest cast of a step (annotations from the feature cache are float32).
+        """
         keys = self.attention.project(annotations)  # (B,P,K)
         if self.position is not None:
             project = self.attention.project
             keys = keys + project(self.position) - project(torch.zeros_like(self.position[:1]))  # + W p_i: (P,K)
+        device = annotations.device.type
+        if annotations.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            annotations = annotations.to(torch.get_autocast_dtype(device))
         return annotations, keys
 
     def init_state(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +164,9 @@ class AttentionDecoder(nn.Module):
         steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
         order = steps.argsort(descending=True)
         steps = steps[order]
-        annotations, keys = self.prepare(annotations[order])
+        annotations = annotations[order]
         h, c = self.init_state(annotations)
+        annotations, keys = self.prepare(annotations)
         inputs = captions[order]  # (B,T)
         T = int(steps[0])
         logits = annotations.new_zeros(B, T, self.vocab_size)

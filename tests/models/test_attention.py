@@ -46,6 +46,33 @@ def test_weights_are_float32_in_low_precision_and_keep_float64(kind):
     assert alpha.dtype == context.dtype == torch.float64
 
 
+@pytest.mark.parametrize("decoding", [True, False])
+@pytest.mark.parametrize("form", FORMS)
+def test_additive_scores_are_float32_under_cpu_autocast(monkeypatch, form, decoding):
+    """Under CPU autocast W a and U h run in bfloat16, and the rest of the scorer in float32: the keys and scores are
+    float32, equal to that computation within float32 rounding, and gradients flow. Plain autocast's scores (the
+    switch off) have bfloat16's rounding."""
+    monkeypatch.setattr(AdditiveAttention, "form", form)
+    torch.manual_seed(0)
+    attention = AdditiveAttention(E, D, A)
+    a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        k, u = attention.W(a).float(), attention.U(h).float()  # the two matmuls, as autocast runs them
+    reference = attention.v(torch.tanh(k.unsqueeze(1) + u.unsqueeze(2))).squeeze(-1).detach()
+    mode = torch.inference_mode() if decoding else torch.enable_grad()
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        keys = attention.project(a)
+        e = attention.score(keys, h)
+        monkeypatch.setattr(AdditiveAttention, "float32_under_cpu_autocast", False)
+        plain = attention.score(attention.project(a), h)
+    assert keys.dtype == e.dtype == torch.float32
+    assert torch.allclose(e, reference, atol=1e-5)
+    assert not torch.allclose(plain.float(), reference, atol=1e-5)  # bfloat16's rounding is far coarser
+    if not decoding:
+        e.square().sum().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attention.parameters())
+
+
 def test_additive_score_matches_the_formula():
     attention = AdditiveAttention(E, D, A)
     a, h = torch.randn(B, P, E), torch.randn(B, D)
