@@ -39,7 +39,7 @@ from captioner.data.shapes import ShapesDataset
 from captioner.decoding import beam_search, greedy_search
 from captioner.models import onednn
 from captioner.models.decoder import AttentionDecoder
-from captioner.precision import autocast
+from captioner.precision import decoding
 
 MAX_LEN = 16
 BATCHES = (1, 16, 64)
@@ -58,9 +58,17 @@ def random_decoder(sizes: str) -> AttentionDecoder:
     return decoder
 
 
-def search(decoder, annotations: torch.Tensor, beam: int, max_len: int = MAX_LEN, special: dict = SPECIAL):
-    """Greedy search when beam is 1, else beam search, under inference mode."""
-    with torch.inference_mode():
+def search(
+    decoder,
+    annotations: torch.Tensor,
+    beam: int,
+    max_len: int = MAX_LEN,
+    special: dict = SPECIAL,
+    precision: str = "32-true",
+):
+    """Greedy search when beam is 1, else beam search, in the context `Captioner` decodes in at `precision`
+    (inference mode in float32; captioner.precision.decoding)."""
+    with decoding(precision, annotations.device):
         if beam == 1:
             return greedy_search(decoder, annotations, max_len=max_len, **special)
         return beam_search(decoder, annotations, beam_size=beam, max_len=max_len, **special)
@@ -68,12 +76,7 @@ def search(decoder, annotations: torch.Tensor, beam: int, max_len: int = MAX_LEN
 
 def call_seconds(decoder, annotations, beam: int, precision: str = "32-true", calls: int = CALLS) -> list[float]:
     """Seconds of each of `calls` searches of the whole batch, after one untimed."""
-
-    def run():
-        with autocast(precision, annotations.device):
-            search(decoder, annotations, beam)
-
-    return samples(run, repeats=calls)
+    return samples(lambda: search(decoder, annotations, beam, precision=precision), repeats=calls)
 
 
 def bundled_model_inputs(batch: int = 64) -> tuple[torch.nn.Module, torch.Tensor, dict]:

@@ -24,7 +24,7 @@ from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
 from captioner.models.show_attend_tell import ShowAttendTell
-from captioner.precision import autocast, check_precision
+from captioner.precision import check_precision, decoding
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}
@@ -165,12 +165,11 @@ class Captioner:
             results.append(result)
         return results
 
-    @torch.inference_mode()
     def _run(self, batch: list[tuple[str, Image.Image]], beam_size: int, max_len: int, length_penalty: float):
         if not batch:
             return
         x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
-        with autocast(self.precision, self.device):
+        with decoding(self.precision, self.device):
             out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
         for (source, image), tokens, score, alphas in zip(batch, out.tokens, out.scores, out.alphas, strict=True):
             words = self.vocab.decode_tokens(tokens.tolist())

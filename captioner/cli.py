@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from jsonargparse import ArgumentError
 
 from captioner.errors import CaptionerError, ConfigError
-from captioner.precision import PRECISIONS, autocast
+from captioner.precision import PRECISIONS, decoding
 from captioner.runtime import keep_freed_memory
 
 if TYPE_CHECKING:
@@ -192,17 +192,16 @@ def evaluate(argv: list[str]) -> None:
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}
-    with torch.inference_mode():
-        for batch in loader:
-            if batch is None:
-                continue
-            inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
-            with autocast(args.precision, module.device):  # the model only: collate must not run under autocast
-                generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
-            for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
-                image_id = source.image_id(index) if hasattr(source, "image_id") else index
-                hypotheses[image_id] = module.vocab.decode(tokens)
-                references[image_id] = source.captions(index)
+    for batch in loader:
+        if batch is None:
+            continue
+        inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
+        with decoding(args.precision, module.device):  # the model only: collate must not run under autocast
+            generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
+        for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
+            image_id = source.image_id(index) if hasattr(source, "image_id") else index
+            hypotheses[image_id] = module.vocab.decode(tokens)
+            references[image_id] = source.captions(index)
     scores = coco_caption_scores(hypotheses, references)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)

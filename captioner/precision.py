@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -43,7 +44,28 @@ def resolve(precision: str, device: torch.device | str) -> str:
 
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
     """The context to run a forward pass in at `precision` on `device`."""
-    precision = resolve(precision, device)
+    return _autocast(resolve(precision, device), device)
+
+
+def _autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
     if precision == "32-true":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=_DTYPES[precision])
+
+
+@contextlib.contextmanager
+def decoding(precision: str, device: torch.device | str) -> Iterator[None]:
+    """The context to caption in at `precision` on `device`, what `Captioner` and `captioner evaluate` use.
+
+    At "32-true", `torch.inference_mode()`. At a mixed precision, autocast under `torch.no_grad()` with inference mode
+    off: autocast keeps its cast of a weight for the rest of the block only outside inference mode (PyTorch has
+    skipped its cast cache there since pytorch/pytorch#165068), and under inference mode every step of a search
+    would cast every weight of the decoder again.
+    """
+    precision = resolve(precision, device)
+    if precision == "32-true":
+        with torch.inference_mode():
+            yield
+    else:
+        with torch.inference_mode(False), torch.no_grad(), _autocast(precision, device):
+            yield
