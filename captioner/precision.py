@@ -1,17 +1,18 @@
 """Mixed precision for captioning outside the Lightning trainer, under Lightning's names for it.
 
-    with autocast("bf16-mixed", device):
+    with decoding("bf16-mixed", device):
         generation = model.generate(images=x, beam_size=3)
 
 "32-true" is plain float32. "bf16-mixed" and "16-mixed" run under `torch.autocast` to bfloat16 or float16: what
 `trainer.precision` does in `captioner fit/validate/test/predict`, here for `Captioner` and for `captioner caption`
-and `captioner evaluate`. The weights stay float32; autocast casts them, per op, once per `with` block.
+and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cast each one once per block.
 
-On this project's 2-core CPU, which has native bfloat16 (AVX512-BF16; `lscpu | grep bf16`), "bf16-mixed" made the
-encoder 2.1-2.2x as fast, batch-64 beam search 1.0-1.3x, single-image decoding slower at small decoder sizes, and
-changed 20 of 256 shapes test captions (`benchmarks/precision.py`, docs/benchmarks.md). A CPU without native
-bfloat16 emulates it, and may be slower than float32. "16-mixed" is meant for GPUs: on a CPU it runs as
-"bf16-mixed", with a warning, as Lightning's Trainer does.
+On the 2-core CPUs these were measured on, which have native bfloat16 (AVX512-BF16; `lscpu | grep bf16`),
+"bf16-mixed" made the encoder 1.4-2.4x as fast and changed 20-24 of 256 shapes test captions. Batch-64 beam search
+gained 1.0-1.4x on an AMD EPYC and, since the changes of 2026-11-23 (this module's `decoding`, and the additive
+scorer's float32 under CPU autocast), 1.1-1.7x on an Intel Xeon; single-image decoding stays slower than float32
+(`benchmarks/precision.py`, docs/benchmarks.md). A CPU without native bfloat16 emulates it, and may be slower than
+float32. "16-mixed" is meant for GPUs: on a CPU it runs as "bf16-mixed", with a warning, as Lightning's Trainer does.
 """
 
 from __future__ import annotations

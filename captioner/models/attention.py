@@ -96,9 +96,10 @@ class AdditiveAttention(Attention):
 
     Under autocast on a CPU (bf16-mixed), the keys are kept in float32 and x, its tanh and v . tanh(x) are computed
     in float32; the matmuls W a and U h still run in bfloat16. Plain autocast would compute all of it in bfloat16,
-    as it still does on a GPU. Not a choice of the paper's, which predates mixed precision: torch's bfloat16 tanh
-    kernel was 6x slower on a CPU than its float32 one (0.7x with the sigmoid form), and float32 is also the more
-    precise (benchmarks/precision.py, docs/benchmarks.md). `float32_under_cpu_autocast = False` gives plain autocast.
+    as it still does on a GPU. The paper predates mixed precision, so this is not a deviation from it. It is a
+    choice of speed: torch's bfloat16 tanh and sigmoid are slow on a CPU, and on an Intel Xeon a decoding step's
+    scorer ran 2.4-3.3x as fast this way as under plain autocast (training: about even; benchmarks/attention.py,
+    docs/benchmarks.md). It is also the more precise. `float32_under_cpu_autocast = False` gives plain autocast.
     """
 
     chunk_elements = 2**20  # about 4 MB of float32 per piece when decoding
