@@ -246,8 +246,8 @@ def test_the_scorers_workspace_changes_no_result(monkeypatch, search):
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_under_autocast_the_annotations_are_cast_once_with_the_results_of_casting_them_every_step(monkeypatch, search):
-    """`prepare` casts float32 annotations to autocast's type once per search; the steps' bmm would otherwise cast
-    them at every step. The results are bit for bit the same."""
+    """`prepare` casts float32 annotations to autocast's type once per search; the key projection and the steps' bmm
+    would otherwise cast them again each. The results are bit for bit the same."""
     decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
     decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the cast annotations shrink with the batch
     prepare, prepared = decoder.prepare, []
@@ -265,7 +265,8 @@ def test_under_autocast_the_annotations_are_cast_once_with_the_results_of_castin
 
     monkeypatch.setattr(decoder, "prepare", recorded)
     once = run()
-    monkeypatch.setattr(decoder, "prepare", lambda a: (a, prepare(a)[1]))  # float32 annotations into every step
+    # as before: float32 annotations into the key projection and into every step, each casting them again
+    monkeypatch.setattr(decoder, "prepare", lambda a: (a, decoder.attention.project(a)))
     every_step = run()
     assert prepared == [torch.bfloat16]
     for name in ("tokens", "lengths", "scores", "alphas"):

@@ -84,16 +84,17 @@ class AttentionDecoder(nn.Module):
         """Step-independent work, once per batch: (B,P,E) -> the annotations as the steps use them (B,P,E), and the
         attention keys (B,P,K). `init_state` takes the annotations as given, not these.
 
-        Under autocast, float32 annotations are cast to autocast's type here, once: each step's attention bmm would
-        cast them again, the largest cast of a step (annotations from the feature cache are float32).
+        Under autocast, float32 annotations are cast to autocast's type here, once: the key projection and each
+        step's attention bmm would cast them again, the largest cast of a step (annotations from the feature cache are
+        float32). The results are the same.
         """
+        device = annotations.device.type
+        if annotations.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            annotations = annotations.to(torch.get_autocast_dtype(device))
         keys = self.attention.project(annotations)  # (B,P,K)
         if self.position is not None:
             project = self.attention.project
             keys = keys + project(self.position) - project(torch.zeros_like(self.position[:1]))  # + W p_i: (P,K)
-        device = annotations.device.type
-        if annotations.dtype == torch.float32 and torch.is_autocast_enabled(device):
-            annotations = annotations.to(torch.get_autocast_dtype(device))
         return annotations, keys
 
     def init_state(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
