@@ -166,8 +166,11 @@ class AttentionDecoder(nn.Module):
         order = steps.argsort(descending=True)
         steps = steps[order]
         annotations = annotations[order]
+        # prepare, then init_state: both use the position embedding, and autograd sums its gradient in the order of
+        # the uses, so this order keeps float32 training bit for bit what it was when init_state came second
+        memory, keys = self.prepare(annotations)
         h, c = self.init_state(annotations)
-        annotations, keys = self.prepare(annotations)
+        annotations = memory
         inputs = captions[order]  # (B,T)
         T = int(steps[0])
         logits = annotations.new_zeros(B, T, self.vocab_size)
