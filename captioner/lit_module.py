@@ -10,6 +10,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.metrics import attention_correctness, bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
+from captioner.precision import cast_weights_once
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
 
@@ -148,10 +149,11 @@ class CaptioningModule(L.LightningModule):
         """Loss on the first reference, then one greedy decode per image, scored later against all references."""
         if batch is None:
             return
-        self._shared_step(batch, stage)
-        generation = self.model.generate(
-            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
-        )
+        with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed: once per batch, not per op
+            self._shared_step(batch, stage)
+            generation = self.model.generate(
+                images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
+            )
         hypotheses = [self.vocab.decode_tokens(row) for row in generation.tokens.tolist()]
         self._hypotheses += hypotheses
         self._references += batch["references"]
@@ -186,12 +188,13 @@ class CaptioningModule(L.LightningModule):
         self._decode_epoch_end("test")
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        generation = self.model.generate(
-            images=batch.get("images"),
-            annotations=batch.get("annotations"),
-            max_len=self.hparams.max_caption_len,
-            beam_size=self.hparams.beam_size,
-        )
+        with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed
+            generation = self.model.generate(
+                images=batch.get("images"),
+                annotations=batch.get("annotations"),
+                max_len=self.hparams.max_caption_len,
+                beam_size=self.hparams.beam_size,
+            )
         return [
             {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score)}
             for i, tokens, score in zip(batch["index"], generation.tokens.tolist(), generation.scores, strict=True)

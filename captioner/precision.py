@@ -70,3 +70,25 @@ def decoding(precision: str, device: torch.device | str) -> Iterator[None]:
     else:
         with torch.inference_mode(False), torch.no_grad(), _autocast(precision, device):
             yield
+
+
+@contextlib.contextmanager
+def cast_weights_once(device: torch.device | str) -> Iterator[None]:
+    """For decoding inside someone else's autocast block with autograd off, as in Lightning's `validate`, `test` and
+    `predict` loops: autocast casts each weight once in the block instead of at every op.
+
+    Lightning's autocast has its cast cache off, and the loops run under inference mode, where PyTorch skips the
+    cache too (see `decoding`). So the block runs under `torch.no_grad()` with inference mode off, in a nested
+    autocast of the same type with its cache on, and the cache is cleared when the block ends. Outside autocast, or
+    with autograd on, it changes nothing.
+    """
+    device_type = torch.device(device).type
+    if not torch.is_autocast_enabled(device_type) or torch.is_grad_enabled():
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    try:
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast(device_type, dtype=dtype, cache_enabled=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()

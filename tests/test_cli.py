@@ -9,7 +9,7 @@ import yaml
 from PIL import Image
 
 from captioner.cli import main, run_lightning_cli
-from tests.conftest import tiny_fit_args
+from tests.conftest import cast_count, tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -116,3 +116,8 @@ def test_mixed_precision_fit_runs_through_lightnings_precision_setting(tmp_path)
     assert cli.trainer.precision == "bf16-mixed"
     metrics = cli.trainer.callback_metrics
     assert "train/loss" in metrics and torch.isfinite(metrics["train/loss"])
+    # Lightning validates under inference mode, where autocast would cast every weight at every op; the module
+    # decodes under no_grad instead, and one validation batch (fast_dev_run) casts the LSTM's weight once
+    weight = cli.model.model.decoder.lstm.weight_ih
+    validate = lambda: cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)  # noqa: E731
+    assert cast_count(tuple(weight.shape), validate) == 1

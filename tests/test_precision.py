@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from captioner.errors import ConfigError
-from captioner.precision import PRECISIONS, autocast, decoding, resolve
+from captioner.precision import PRECISIONS, autocast, cast_weights_once, decoding, resolve
+from tests.conftest import cast_count
 
 
 @pytest.mark.filterwarnings("ignore:.*not supported on CPU")  # 16-mixed: both warn, as tested below
@@ -32,17 +33,6 @@ def test_unknown_precision_is_refused():
         autocast("bf16", "cpu")
 
 
-def cast_count(shape: tuple[int, ...], fn) -> int:
-    """How many times running `fn` cast a tensor of `shape` to another dtype (torch profiler)."""
-    with torch.profiler.profile(record_shapes=True) as profiler:
-        fn()
-    return sum(
-        e.count
-        for e in profiler.key_averages(group_by_input_shape=True)
-        if e.key == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == list(shape)
-    )
-
-
 def test_decoding_is_inference_mode_in_float32_and_casts_each_weight_once_per_block_under_autocast():
     layer, x = torch.nn.Linear(8, 16), torch.randn(4, 8)
     with decoding("32-true", "cpu"):
@@ -55,3 +45,21 @@ def test_decoding_is_inference_mode_in_float32_and_casts_each_weight_once_per_bl
             assert all(layer(x).dtype == torch.bfloat16 for _ in range(3))
 
     assert cast_count((16, 8), three_calls) == 1  # autocast's cache kept the weight's cast (inference mode would not)
+
+
+def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_elsewhere():
+    layer, x = torch.nn.Linear(8, 16), torch.randn(4, 8)
+
+    def three_calls():  # as in Lightning's validate loop: inference mode, and an autocast with its cache off
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            with cast_weights_once("cpu"):
+                assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+                assert all(layer(x).dtype == torch.bfloat16 for _ in range(3))
+            assert layer(x).dtype == torch.bfloat16  # after the block: autocast's own, uncached cast again
+
+    assert cast_count((16, 8), three_calls) == 2
+    with torch.inference_mode(), cast_weights_once("cpu"):  # no autocast: nothing to cache, nothing changes
+        assert torch.is_inference_mode_enabled()
+    with autocast("bf16-mixed", "cpu"), cast_weights_once("cpu"):  # autograd on (training): nothing changes
+        assert torch.is_grad_enabled()
+        assert layer(x).requires_grad
