@@ -5,7 +5,8 @@
 
 "32-true" is plain float32. "bf16-mixed" and "16-mixed" run under `torch.autocast` to bfloat16 or float16: what
 `trainer.precision` does in `captioner fit/validate/test/predict`, here for `Captioner` and for `captioner caption`
-and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cast each one once per block.
+and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cast each one once per block, and
+`cast_weights_once` does the same inside Lightning's evaluation loops.
 
 On the 2-core CPUs these were measured on, which have native bfloat16 (AVX512-BF16; `lscpu | grep bf16`),
 "bf16-mixed" made the encoder 1.4-2.4x as fast and changed 20-24 of 256 shapes test captions. Batch-64 beam search
