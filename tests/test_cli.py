@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -119,5 +120,5 @@ def test_mixed_precision_fit_runs_through_lightnings_precision_setting(tmp_path)
     # Lightning validates under inference mode, where autocast would cast every weight at every op; the module
     # decodes under no_grad instead, and one validation batch (fast_dev_run) casts the LSTM's weight once
     weight = cli.model.model.decoder.lstm.weight_ih
-    validate = lambda: cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)  # noqa: E731
+    validate = partial(cli.trainer.validate, cli.model, datamodule=cli.datamodule, verbose=False)
     assert cast_count(tuple(weight.shape), validate) == 1
