@@ -1,0 +1,61 @@
+"""The scripts in benchmarks/ still import against the library.
+
+`make bench` is not part of the test run: it takes about 15 minutes and wants an idle machine. These tests catch a
+library change that breaks a script's imports (a renamed function, a moved module), which would otherwise show only
+at the next `make bench`. They import each script, they do not time anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem != "common")
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    """benchmarks/ on sys.path, as when a script runs from that folder; the scripts' modules (common, decode, ...) are
+    dropped from sys.modules afterwards, so that no other test sees them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        module = sys.modules[name]
+        if Path(getattr(module, "__file__", None) or "").parent == BENCHMARKS:
+            del sys.modules[name]
+
+
+def test_every_script_is_found():
+    assert {"train_step", "decode", "encoder", "epoch", "caption_cli"} <= set(SCRIPTS)  # the issue's five
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_each_script_imports_and_has_a_main(benchmarks, name):
+    module = importlib.import_module(name)
+    assert callable(module.main)
+
+
+def test_the_decode_benchmark_searches_in_the_library_s_context(benchmarks):
+    """decode.py's `search` (which precision.py, onednn.py, mkl_packed.py and others time) runs the library's
+    searches: the same tokens as `captioner.decoding` on the same inputs, every call MAX_LEN steps long."""
+    from decode import MAX_LEN, SPECIAL, random_decoder, search
+
+    from captioner.decoding import beam_search, greedy_search
+
+    decoder = random_decoder("shapes")
+    annotations = torch.randn(2, 49, 1280)
+    with torch.inference_mode():
+        expected = {
+            1: greedy_search(decoder, annotations, max_len=MAX_LEN, **SPECIAL),
+            3: beam_search(decoder, annotations, beam_size=3, max_len=MAX_LEN, **SPECIAL),
+        }
+    for beam, reference in expected.items():
+        out = search(decoder, annotations, beam)
+        assert out.tokens.shape == (2, MAX_LEN)  # <end> is suppressed: no caption ends early
+        assert torch.equal(out.tokens, reference.tokens)
