@@ -1,11 +1,12 @@
 import time
+import warnings
 
 import pytest
 import torch
 from skimage import data as skdata
 
 from captioner.errors import ConfigError, WeightsUnavailableError
-from captioner.models.encoder import BACKBONES, Encoder, load_efficientnet_lite0
+from captioner.models.encoder import BACKBONES, Encoder, fold_batchnorm, load_efficientnet_lite0
 
 
 @pytest.mark.parametrize(
@@ -104,3 +105,109 @@ def test_training_augmentation_keeps_the_shape_and_varies():
     assert plain.shape == augmented[0].shape == (3, 224, 224)
     assert not torch.equal(augmented[0], augmented[1])
     assert torch.equal(plain, preprocessing.transforms()(image))  # evaluation preprocessing is deterministic
+
+
+def _batchnorms(encoder: Encoder) -> list[torch.nn.BatchNorm2d]:
+    return [m for m in encoder.features.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+
+def _randomise_batchnorms(encoder: Encoder) -> None:
+    """Statistics and affine parameters far from the identity, so that folding them changes the weights."""
+    with torch.no_grad():
+        for bn in _batchnorms(encoder):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-1, 1)
+
+
+def _forward_counting_batchnorms(encoder: Encoder, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The encoder's output and how many times its own BatchNorm modules ran."""
+    calls = []
+    hooks = [bn.register_forward_hook(lambda *_: calls.append(1)) for bn in _batchnorms(encoder)]
+    try:
+        return encoder(x), len(calls)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("backbone", ["efficientnet_lite0", "resnet50"])
+def test_inference_folds_every_batchnorm_into_its_convolution_with_the_same_features(backbone, monkeypatch):
+    encoder = Encoder(backbone, pretrained=False, image_size=64).eval()
+    _randomise_batchnorms(encoder)
+    keys = set(encoder.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    assert fold_batchnorm(encoder.features)[1] == len(_batchnorms(encoder)) > 40  # every one of them
+    with torch.no_grad():
+        encoder(x)  # makes the folded copy, and checks it by running both once
+        folded, calls = _forward_counting_batchnorms(encoder, x)
+        assert calls == 0  # the folded copy ran, not the backbone
+        monkeypatch.setattr(Encoder, "fold_batchnorm", False)
+        expected, calls = _forward_counting_batchnorms(encoder, x)
+        assert calls == len(_batchnorms(encoder))
+    scale = expected.abs().max()
+    assert (folded - expected).abs().max() <= 1e-4 * scale
+    assert set(encoder.state_dict()) == keys  # the copy is not part of the model's state
+    assert all("_folded" not in name for name, _ in encoder.named_modules())
+
+
+def test_training_a_fine_tuned_encoder_runs_the_backbone_and_evaluation_folds_its_current_weights(monkeypatch):
+    encoder = Encoder("resnet50", pretrained=False, image_size=64)
+    _randomise_batchnorms(encoder)
+    encoder.fine_tune(1)
+    x = torch.randn(2, 3, 64, 64)
+    encoder.eval()
+    with torch.no_grad():
+        encoder(x)  # folds the weights as they are now
+    encoder.train()
+    out, calls = _forward_counting_batchnorms(encoder, x)
+    assert calls == len(_batchnorms(encoder)) and out.requires_grad  # autograd through the backbone itself
+    with torch.no_grad():  # an optimizer step on the last stage, and its statistics move
+        for p in encoder.features[7].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    encoder.eval()
+    with torch.no_grad():
+        encoder(x)  # folds again
+        folded, calls = _forward_counting_batchnorms(encoder, x)
+        monkeypatch.setattr(Encoder, "fold_batchnorm", False)
+        expected = encoder(x)
+    assert calls == 0
+    assert (folded - expected).abs().max() <= 1e-4 * expected.abs().max()  # from the new weights, not the old
+
+
+def test_gradients_through_a_fine_tuned_encoder_in_eval_mode_reach_its_weights():
+    """Eval mode fixes the BatchNorm statistics, but the unfrozen weights still get gradients: no folded copy."""
+    encoder = Encoder("resnet50", pretrained=False, image_size=64)
+    encoder.fine_tune(1)
+    encoder.eval()
+    encoder(torch.randn(2, 3, 64, 64)).sum().backward()
+    assert all(p.grad is not None for p in encoder.parameters() if p.requires_grad)
+
+
+class _NormalisesBeforeConvolving(torch.nn.Module):
+    """A conv registered just before a BatchNorm, but applied after it: folding would be wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 1)
+        self.bn = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.bn(x))
+
+
+def test_a_fold_that_changes_the_features_is_not_used():
+    encoder = Encoder("resnet50", pretrained=False, image_size=64)
+    encoder.features = _NormalisesBeforeConvolving()
+    encoder.eval()
+    _randomise_batchnorms(encoder)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="folding BatchNorm into the convolutions changed the features"):
+            encoder(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # checked once, not at every call
+            out, calls = _forward_counting_batchnorms(encoder, x)
+        expected = encoder.features(x.contiguous(memory_format=torch.channels_last))  # the backbone as it is
+        assert calls == 1 and torch.equal(out, expected.flatten(2).transpose(1, 2))
