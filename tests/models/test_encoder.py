@@ -140,7 +140,9 @@ def test_inference_folds_every_batchnorm_into_its_convolution_with_the_same_feat
     x = torch.randn(2, 3, 64, 64)
     assert fold_batchnorm(encoder.features)[1] == len(_batchnorms(encoder)) > 40  # every one of them
     with torch.no_grad():
+        state = torch.get_rng_state()
         encoder(x)  # makes the folded copy, and checks it by running both once
+        assert torch.equal(torch.get_rng_state(), state)  # the check's random input leaves training's randomness alone
         folded, calls = _forward_counting_batchnorms(encoder, x)
         assert calls == 0  # the folded copy ran, not the backbone
         monkeypatch.setattr(Encoder, "fold_batchnorm", False)
