@@ -7,7 +7,7 @@ Both use the default efficientnet_lite0 encoder at 224x224, batch 32, under torc
 same cores as the encoder.
 
 A second table times the raw forward of two backbones as the library runs them for inference, with each BatchNorm
-folded into the convolution before it (captioner.models.encoder.fold_batchnorm), and unfolded
+folded into the convolution before it (captioner.models.encoder.batchnorm_folded), and unfolded
 (`Encoder.fold_batchnorm = False`), taking turns over three rounds, fastest call: efficientnet_lite0 (batch 32) and
 resnet50 (random weights, batch 16). Then the bundled shapes model captions 256 test images (beam 3) both ways:
 how many captions are identical.

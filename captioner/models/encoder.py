@@ -171,7 +171,7 @@ BACKBONES: dict[str, Callable[[bool], Backbone]] = {
 }
 
 
-def fold_batchnorm(features: nn.Module) -> tuple[nn.Module, int]:
+def batchnorm_folded(features: nn.Module) -> tuple[nn.Module, int]:
     """A copy of `features` for inference, with each BatchNorm folded into the convolution just before it, and the
     number of BatchNorms folded.
 
@@ -220,7 +220,7 @@ class Encoder(nn.Module):
 
     When the backbone runs for inference (its BatchNorms in eval mode, and either autograd off or the encoder frozen,
     the paper's setting), it runs a copy with each BatchNorm folded into the convolution before it
-    (`fold_batchnorm`): the same annotations up to float rounding. On an Intel Xeon CPU the raw forward ran
+    (`batchnorm_folded`): the same annotations up to float rounding. On an Intel Xeon CPU the raw forward ran
     1.43-1.52x as fast for efficientnet_lite0 and 1.18-1.37x for resnet50, and the bundled model's captions of 256
     test images were all the same (benchmarks/encoder.py, docs/benchmarks.md); not measured on a GPU. The copy is made
     on first use and again whenever the backbone's weights, dtype or device change, and checked against the backbone
@@ -325,7 +325,7 @@ class Encoder(nn.Module):
     def _checked_fold(self) -> nn.Module | None:
         """The folded copy, if it matches the backbone on a small random input; None (and a warning) if it does not,
         or if there is nothing to fold."""
-        folded, count = fold_batchnorm(self.features)
+        folded, count = batchnorm_folded(self.features)
         if not count:
             return None
         parameter = next(self.features.parameters())

@@ -6,7 +6,7 @@ import torch
 from skimage import data as skdata
 
 from captioner.errors import ConfigError, WeightsUnavailableError
-from captioner.models.encoder import BACKBONES, Encoder, fold_batchnorm, load_efficientnet_lite0
+from captioner.models.encoder import BACKBONES, Encoder, batchnorm_folded, load_efficientnet_lite0
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_inference_folds_every_batchnorm_into_its_convolution_with_the_same_feat
     _randomise_batchnorms(encoder)
     keys = set(encoder.state_dict())
     x = torch.randn(2, 3, 64, 64)
-    assert fold_batchnorm(encoder.features)[1] == len(_batchnorms(encoder)) > 40  # every one of them
+    assert batchnorm_folded(encoder.features)[1] == len(_batchnorms(encoder)) > 40  # every one of them
     with torch.no_grad():
         state = torch.get_rng_state()
         encoder(x)  # makes the folded copy, and checks it by running both once
