@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import resource
 import statistics
@@ -10,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from captioner.api import Captioner
+from captioner.data.shapes import ShapesDataset
 from captioner.models.attention import AdditiveAttention
 from captioner.runtime import cpu_info
 
@@ -58,6 +61,24 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1, best: bool = 
     """Median seconds per call, or the fastest call with best=True."""
     times = samples(fn, repeats, warmup)
     return min(times) if best else statistics.median(times)
+
+
+def same_bundled_captions(
+    baseline: Callable[[Captioner], contextlib.AbstractContextManager],
+    variant: Callable[[Captioner], contextlib.AbstractContextManager],
+    n: int = 64,
+    batch_size: int | None = None,
+) -> str:
+    """How many of the bundled shapes model's beam-3 captions of n test images are the same under `variant` as under
+    `baseline` (each called with the model, giving the context to caption in), as "same/n"."""
+    captioner = Captioner.load("shapes", device="cpu")
+    dataset = ShapesDataset("test", n, seed=0)
+    images = [dataset.load_image(i) for i in range(n)]
+    captions = []
+    for setting in (baseline, variant):
+        with setting(captioner):
+            captions.append([c.text for c in captioner.caption(images, beam_size=3, batch_size=batch_size or n)])
+    return f"{sum(a == b for a, b in zip(*captions, strict=True))}/{n}"
 
 
 def table(rows: list[dict]) -> str:

@@ -31,11 +31,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from common import SIZES, machine, result, table, timed
+from common import SIZES, machine, result, same_bundled_captions, table, timed
 from decode import call_seconds, random_decoder
 
-from captioner.api import Captioner
-from captioner.data.shapes import ShapesDataset
 from captioner.models import onednn
 
 ROUNDS = 3
@@ -149,16 +147,6 @@ def decoding(sizes: str) -> list[dict]:
     return rows
 
 
-def same_captions(n: int = 64) -> str:
-    captioner = Captioner.load("shapes", device="cpu")
-    dataset = ShapesDataset("test", n, seed=0)
-    images = [dataset.load_image(i) for i in range(n)]
-    plain = [c.text for c in captioner.caption(images, beam_size=3, batch_size=n)]
-    with packed(PackedWeights()):
-        fast = [c.text for c in captioner.caption(images, beam_size=3, batch_size=n)]
-    return f"{sum(a == b for a, b in zip(plain, fast, strict=True))}/{n}"
-
-
 def main() -> None:
     print(f"{machine()}; the decoder uses oneDNN by default here: {onednn.enabled}\n")
     if not AVAILABLE:
@@ -169,7 +157,7 @@ def main() -> None:
     searches = [row for sizes in ("shapes", "paper") for row in decoding(sizes)]
     print(f"\nRandom decoder, 16 steps, images/s (fastest call); packed for {MIN_ROWS} rows or more:\n")
     print(table([{k: f"{v:.2f}x" if isinstance(v, float) else v for k, v in row.items()} for row in searches]))
-    same = same_captions()
+    same = same_bundled_captions(lambda _: contextlib.nullcontext(), lambda _: packed(PackedWeights()))
     print(f"\nBundled shapes model, 64 test images, beam 3: {same} captions identical with and without packing")
     speedup = {(row["sizes"], row["search"], row["batch"]): row["speed-up"] for row in searches}
     print(

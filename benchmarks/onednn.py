@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import SIZES, machine, result, table, timed
+from common import SIZES, machine, result, same_bundled_captions, table, timed
 from decode import MAX_LEN, call_seconds, random_decoder
 
-from captioner.api import Captioner
-from captioner.data.shapes import ShapesDataset
 from captioner.models import onednn
 from captioner.runtime import cpu_vendor
 
@@ -69,18 +67,6 @@ def decoding(sizes: str) -> dict:
     }
 
 
-def same_captions(n: int = 64) -> str:
-    captioner = Captioner.load("shapes", device="cpu")
-    dataset = ShapesDataset("test", n, seed=0)
-    images = [dataset.load_image(i) for i in range(n)]
-    captions = {}
-    for flag in (False, True):
-        with onednn.use(flag):
-            captions[flag] = [c.text for c in captioner.caption(images, beam_size=3, batch_size=n)]
-    same = sum(a == b for a, b in zip(captions[False], captions[True], strict=True))
-    return f"{same}/{n}"
-
-
 def main() -> None:
     vendor = cpu_vendor() or "unknown"
     print(f"{machine()}; oneDNN linear available: {onednn.AVAILABLE}")
@@ -93,7 +79,7 @@ def main() -> None:
     searches = [decoding(sizes) for sizes in ("shapes", "paper")]
     print(f"\nBeam 3, random decoder, {MAX_LEN} steps, images/s (fastest call):\n")
     print(table([{k: f"{v:.2f}x" if isinstance(v, float) else v for k, v in row.items()} for row in searches]))
-    same = same_captions()
+    same = same_bundled_captions(lambda _: onednn.use(False), lambda _: onednn.use(True))
     print(f"\nBundled shapes model, 64 test images, beam 3: {same} captions identical with and without oneDNN")
     shapes, paper = searches
     print(
