@@ -292,6 +292,13 @@ class Encoder(nn.Module):
                 module.eval()
         return self
 
+    def __getstate__(self) -> dict:
+        """The module's state for pickling and copy.deepcopy, without the folded copy: it is derived from the weights
+        and remade on first use, so `torch.save(encoder)` and a deep copy do not carry a second set of weights."""
+        state = super().__getstate__().copy()
+        state.pop("_folded", None)
+        return state
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.contiguous(memory_format=torch.channels_last)
         x = self.pool(self._inference_features()(x))  # (B,E,h,w)

@@ -1,3 +1,5 @@
+import copy
+import io
 import time
 import warnings
 
@@ -152,6 +154,31 @@ def test_inference_folds_every_batchnorm_into_its_convolution_with_the_same_feat
     assert (folded - expected).abs().max() <= 1e-4 * scale
     assert set(encoder.state_dict()) == keys  # the copy is not part of the model's state
     assert all("_folded" not in name for name, _ in encoder.named_modules())
+
+
+def test_pickling_or_copying_an_encoder_leaves_the_folded_copy_behind():
+    encoder = Encoder("resnet50", pretrained=False, image_size=64).eval()
+    _randomise_batchnorms(encoder)
+    x = torch.randn(2, 3, 64, 64)
+
+    def saved_bytes(module: torch.nn.Module) -> int:
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        return len(buffer.getvalue())
+
+    unused = saved_bytes(encoder)
+    with torch.no_grad():
+        expected = encoder(x)  # makes the folded copy
+    assert saved_bytes(encoder) == unused  # not a second set of weights in the file
+    buffer = io.BytesIO()
+    torch.save(encoder, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(encoder), torch.load(buffer, weights_only=False)):
+        assert "_folded" not in clone.__dict__
+        with torch.no_grad():
+            clone(x)  # the clone folds its own weights on first use, and checks the copy against its backbone
+            out, calls = _forward_counting_batchnorms(clone, x)
+        assert calls == 0 and torch.equal(out, expected)
 
 
 def test_training_a_fine_tuned_encoder_runs_the_backbone_and_evaluation_folds_its_current_weights(monkeypatch):
