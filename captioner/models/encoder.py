@@ -171,6 +171,16 @@ BACKBONES: dict[str, Callable[[bool], Backbone]] = {
 }
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether a forward or backward hook is registered on `module` or one of its submodules, or for every module."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
+    )
+
+
 def batchnorm_folded(features: nn.Module) -> tuple[nn.Module, int]:
     """A copy of `features` for inference, with each BatchNorm folded into the convolution just before it, and the
     number of BatchNorms folded.
@@ -225,8 +235,9 @@ class Encoder(nn.Module):
     test images were all the same (benchmarks/encoder.py, docs/benchmarks.md); not measured on a GPU. The copy is made
     on first use and again whenever the backbone's weights, dtype or device change, and checked against the backbone
     once; it is not part of the state_dict. It costs the memory of a second set of convolution weights (12.8 MiB for
-    efficientnet_lite0, 89.6 MiB for resnet50 in benchmarks/encoder.py). `fold_batchnorm = False` (on the class or an
-    instance) runs the backbone as it is.
+    efficientnet_lite0, 89.6 MiB for resnet50 in benchmarks/encoder.py). While a hook is registered on the backbone or
+    one of its modules (to read its activations, say), the backbone runs as it is; `fold_batchnorm = False` (on the
+    class or an instance) always runs it as it is.
 
     Args:
         backbone: a name in `BACKBONES`.
@@ -327,6 +338,7 @@ class Encoder(nn.Module):
             and (not torch.is_grad_enabled() or self.frozen)
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
+            and not has_hooks(self.features)  # a hook expects the modules it was registered on to run
         )
 
     def _checked_fold(self) -> nn.Module | None:

@@ -2,6 +2,7 @@ import copy
 import io
 import time
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -124,14 +125,9 @@ def _randomise_batchnorms(encoder: Encoder) -> None:
 
 
 def _forward_counting_batchnorms(encoder: Encoder, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The encoder's output and how many times its own BatchNorm modules ran."""
-    calls = []
-    hooks = [bn.register_forward_hook(lambda *_: calls.append(1)) for bn in _batchnorms(encoder)]
-    try:
-        return encoder(x), len(calls)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    """The encoder's output and how many BatchNorms ran (not by module hooks: a hook turns the folding off)."""
+    with mock.patch.object(torch.nn.functional, "batch_norm", wraps=torch.nn.functional.batch_norm) as batch_norm:
+        return encoder(x), batch_norm.call_count
 
 
 @pytest.mark.parametrize("backbone", ["efficientnet_lite0", "resnet50"])
@@ -179,6 +175,22 @@ def test_pickling_or_copying_an_encoder_leaves_the_folded_copy_behind():
             clone(x)  # the clone folds its own weights on first use, and checks the copy against its backbone
             out, calls = _forward_counting_batchnorms(clone, x)
         assert calls == 0 and torch.equal(out, expected)
+
+
+def test_a_hook_on_the_backbone_sees_its_own_modules_run():
+    encoder = Encoder("resnet50", pretrained=False, image_size=64).eval()
+    _randomise_batchnorms(encoder)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        encoder(x)  # folded from now on
+        seen = []
+        hook = encoder.features[4][0].bn1.register_forward_hook(lambda module, inputs, output: seen.append(output))
+        out, calls = _forward_counting_batchnorms(encoder, x)
+        assert len(seen) == 1 and calls == len(_batchnorms(encoder))  # the backbone ran, and the hook saw it
+        hook.remove()
+        folded, calls = _forward_counting_batchnorms(encoder, x)
+    assert calls == 0 and len(seen) == 1  # folded again once the hook is gone
+    assert (folded - out).abs().max() <= 1e-4 * out.abs().max()
 
 
 def test_training_a_fine_tuned_encoder_runs_the_backbone_and_evaluation_folds_its_current_weights(monkeypatch):
