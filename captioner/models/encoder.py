@@ -338,6 +338,7 @@ class Encoder(nn.Module):
             and (not torch.is_grad_enabled() or self.frozen)
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
+            and not torch.fx._symbolic_trace.is_fx_tracing()  # fx records calls to submodules, which the copy is not
             and not has_hooks(self.features)  # a hook expects the modules it was registered on to run
         )
 

@@ -193,6 +193,16 @@ def test_a_hook_on_the_backbone_sees_its_own_modules_run():
     assert (folded - out).abs().max() <= 1e-4 * out.abs().max()
 
 
+def test_an_encoder_used_for_inference_can_still_be_traced_by_fx():
+    encoder = Encoder("resnet50", pretrained=False, image_size=64).eval()
+    _randomise_batchnorms(encoder)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = encoder(x)  # folded
+        traced = torch.fx.symbolic_trace(encoder)  # records the backbone's own modules
+        assert (traced(x) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 def test_training_a_fine_tuned_encoder_runs_the_backbone_and_evaluation_folds_its_current_weights(monkeypatch):
     encoder = Encoder("resnet50", pretrained=False, image_size=64)
     _randomise_batchnorms(encoder)
