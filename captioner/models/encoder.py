@@ -171,6 +171,12 @@ BACKBONES: dict[str, Callable[[bool], Backbone]] = {
 }
 
 
+def fx_tracing() -> bool:
+    """Whether torch.fx.symbolic_trace is tracing (a private torch function: False in a torch without it)."""
+    check = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
+    return bool(check and check())
+
+
 def has_hooks(module: nn.Module) -> bool:
     """Whether a forward or backward hook is registered on `module` or one of its submodules, or for every module."""
     hooks = nn.modules.module
@@ -338,7 +344,7 @@ class Encoder(nn.Module):
             and (not torch.is_grad_enabled() or self.frozen)
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
-            and not torch.fx._symbolic_trace.is_fx_tracing()  # fx records calls to submodules, which the copy is not
+            and not fx_tracing()  # fx records calls to submodules, which the copy is not
             and not has_hooks(self.features)  # a hook expects the modules it was registered on to run
         )
 
