@@ -180,7 +180,13 @@ def fx_tracing() -> bool:
 def has_hooks(module: nn.Module) -> bool:
     """Whether a forward or backward hook is registered on `module` or one of its submodules, or for every module."""
     hooks = nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+    everywhere = (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+    if any(getattr(hooks, name, None) for name in everywhere):
         return True
     return any(
         m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
