@@ -243,7 +243,7 @@ class Encoder(nn.Module):
     When the backbone runs for inference (its BatchNorms in eval mode, and either autograd off or the encoder frozen,
     the paper's setting), it runs a copy with each BatchNorm folded into the convolution before it
     (`batchnorm_folded`): the same annotations up to float rounding. On an Intel Xeon CPU the raw forward ran
-    1.43-1.56x as fast for efficientnet_lite0 and 1.18-1.37x for resnet50, and the bundled model's captions of 256
+    1.43-1.56x as fast for efficientnet_lite0 and 1.09-1.37x for resnet50, and the bundled model's captions of 256
     test images were all the same (benchmarks/encoder.py, docs/benchmarks.md); not measured on a GPU. The copy is made
     on first use and again whenever the backbone's weights, dtype or device change, and checked against the backbone
     once; it is not part of the state_dict. It costs the memory of a second set of convolution weights (12.8 MiB for
