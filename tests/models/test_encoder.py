@@ -189,9 +189,11 @@ def test_a_hook_on_the_backbone_sees_its_own_modules_run():
         assert len(seen) == 1 and calls == len(_batchnorms(encoder))  # the backbone ran, and the hook saw it
         hook.remove()
         hook = torch.nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
-        _, calls = _forward_counting_batchnorms(encoder, x)  # a hook on every module
+        try:
+            _, calls = _forward_counting_batchnorms(encoder, x)  # a hook on every module
+        finally:
+            hook.remove()  # global: it must not outlive this test
         assert calls == len(_batchnorms(encoder))
-        hook.remove()
         folded, calls = _forward_counting_batchnorms(encoder, x)
     assert calls == 0 and len(seen) == 1  # folded again once the hooks are gone
     assert (folded - out).abs().max() <= 1e-4 * out.abs().max()
