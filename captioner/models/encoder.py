@@ -177,19 +177,18 @@ def fx_tracing() -> bool:
     return bool(check and check())
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Whether a forward or backward hook is registered on `module` or one of its submodules, or for every module."""
-    hooks = nn.modules.module
-    everywhere = (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-    if any(getattr(hooks, name, None) for name in everywhere):
-        return True
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether a forward or backward hook is registered on `module` itself."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
     )
 
 
@@ -330,12 +329,9 @@ class Encoder(nn.Module):
     def _inference_features(self) -> nn.Module:
         """The backbone to run now: its BatchNorm-folded copy where that gives the same result (see the class
         docstring), else the backbone itself."""
-        if not self._can_fold():
+        key = self._fold_key()
+        if key is None:
             return self.features
-        tensors = [*self.features.parameters(), *self.features.buffers()]
-        if any(t.is_inference() for t in tensors):  # weights made under inference_mode have no version counter
-            return self.features
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
         cached = self.__dict__.get("_folded")  # not an attribute nn.Module registers: kept out of the state_dict
         if cached is None or cached[0] != key:
             with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
@@ -343,16 +339,31 @@ class Encoder(nn.Module):
             self.__dict__["_folded"] = cached = (key, folded)
         return self.features if cached[1] is None else cached[1]
 
-    def _can_fold(self) -> bool:
-        return (
+    def _fold_key(self) -> tuple | None:
+        """None when the backbone must run as it is; else what the folded copy depends on: the storage, version
+        counter, dtype and device of every weight and buffer. One pass over the modules, as this runs at every call."""
+        if not (
             self.fold_batchnorm
-            and not any(m.training for m in self.features.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
             and (not torch.is_grad_enabled() or self.frozen)
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
             and not fx_tracing()  # fx records calls to submodules, which the copy is not
-            and not has_hooks(self.features)  # a hook expects the modules it was registered on to run
-        )
+            and not any(getattr(nn.modules.module, name, None) for name in GLOBAL_HOOKS)
+        ):
+            return None
+        key = []
+        for module in self.features.modules():
+            if hooked(module):  # a hook expects the module it was registered on to run
+                return None
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+                return None
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is None:
+                    continue
+                if tensor.is_inference():  # weights made under inference_mode have no version counter
+                    return None
+                key.append((tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device))
+        return tuple(key)
 
     def _checked_fold(self) -> nn.Module | None:
         """The folded copy, if it matches the backbone on a small random input; None (and a warning) if it does not,

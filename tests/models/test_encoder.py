@@ -233,6 +233,16 @@ def test_training_a_fine_tuned_encoder_runs_the_backbone_and_evaluation_folds_it
     assert (folded - expected).abs().max() <= 1e-4 * expected.abs().max()  # from the new weights, not the old
 
 
+def test_batchnorms_in_training_mode_run_even_without_autograd():
+    """A fine-tuned stage's BatchNorms update their statistics in training mode, which a folded copy would skip."""
+    encoder = Encoder("resnet50", pretrained=False, image_size=64)
+    encoder.fine_tune(1)
+    encoder.train()
+    with torch.no_grad():
+        _, calls = _forward_counting_batchnorms(encoder, torch.randn(2, 3, 64, 64))
+    assert calls == len(_batchnorms(encoder))
+
+
 def test_gradients_through_a_fine_tuned_encoder_in_eval_mode_reach_its_weights():
     """Eval mode fixes the BatchNorm statistics, but the unfrozen weights still get gradients: no folded copy."""
     encoder = Encoder("resnet50", pretrained=False, image_size=64)
