@@ -36,8 +36,18 @@ def cpu_model() -> str:
     return cpu_info("model name") or platform.processor() or platform.machine()
 
 
-def machine() -> str:
-    return f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+def machine(device: torch.device | None = None) -> str:
+    """The CPU, torch's threads and version, and the GPU when `device` is one."""
+    described = f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    if device is not None and device.type == "cuda":
+        described += f", {torch.cuda.get_device_name(device)}"
+    return described
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU runs it asynchronously), so that a timer stops when it is done."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
 
 
 def page_faults() -> int:

@@ -1,21 +1,34 @@
 """Teacher-forced training throughput (captions/s): forward + backward + Adam step on precomputed annotations.
 
-    python benchmarks/train_step.py
+    python benchmarks/train_step.py                  # on the CPU
+    python benchmarks/train_step.py --device cuda    # on a GPU, with 16-mixed too
 
-Compares captioner's decoder (in float32, and in bf16 mixed precision) with a naive variant that re-projects the
+Compares captioner's decoder (in float32, and in mixed precision) with a naive variant that re-projects the
 annotations at every step and runs the whole batch for the longest caption (what the popular tutorials do), at the
-shapes sizes and the paper's sizes. Also reports, from the torch profiler, the share of CPU time spent in matmul and
-LSTM kernels.
+shapes sizes and the paper's sizes. Also reports, on a CPU, the share of CPU time spent in matmul and LSTM kernels
+(torch profiler).
+
+Mixed precision runs as `captioner fit --trainer.precision ...` runs it: the forward pass and the loss in the
+autocast of Lightning's own `MixedPrecision` plugin (whose cast cache is off), inside captioner's
+`cast_weights_once`, as `CaptioningModule.training_step` runs them; 16-mixed scales the loss with the plugin's
+GradScaler. "cast once: no" is Lightning's autocast alone, as the training step ran before `cast_weights_once`
+covered it: each weight cast again at every word. bf16-mixed is measured on a CPU, and on a GPU that supports it;
+16-mixed on a GPU only (Lightning runs it as bf16-mixed on a CPU).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+
 import torch
-from common import SIZES, TextbookAdditiveAttention, machine, result, table, timed
+from common import SIZES, TextbookAdditiveAttention, machine, result, synchronize, table, timed
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.profiler import ProfilerActivity, profile
 
 from captioner.lit_module import caption_loss
 from captioner.models.decoder import AttentionDecoder
+from captioner.precision import cast_weights_once
 
 B, T = 64, 16
 MATMUL_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_thnn_fused_lstm")
@@ -38,37 +51,59 @@ class NaiveDecoder(AttentionDecoder):
             step_logits, (h, c), alpha = self.step(captions[:, t], (h, c), annotations, keys)
             logits.append(step_logits)
             alphas.append(alpha)
-        mask = (torch.arange(T).unsqueeze(0) < (lengths - 1).unsqueeze(1)).unsqueeze(-1)  # (B,T,1)
+        steps = torch.arange(T, device=lengths.device)
+        mask = (steps.unsqueeze(0) < (lengths - 1).unsqueeze(1)).unsqueeze(-1)  # (B,T,1)
         return torch.stack(logits, 1) * mask, torch.stack(alphas, 1) * mask
 
 
-def make_batch(P: int, E: int, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
+def make_batch(P: int, E: int, V: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)  # drawn on the CPU, so every device gets the same batch
     lengths = torch.randint(T // 2, 3 * T // 2 + 1, (B,), generator=generator)  # mean about T words
     captions = torch.randint(4, V, (B, int(lengths.max())), generator=generator)
     captions[:, 0] = 1
     for i, n in enumerate(lengths.tolist()):
         captions[i, n - 1], captions[i, n:] = 2, 0
-    return torch.randn(B, P, E, generator=generator), captions, lengths
+    annotations = torch.randn(B, P, E, generator=generator)
+    return annotations.to(device), captions.to(device), lengths.to(device)
 
 
-def trainer(decoder_cls, sizes: str, precision: str = "32"):
-    """One training step; precision "bf16-mixed" runs forward and loss under CPU autocast to bfloat16, which is what
-    Lightning's `trainer.precision: bf16-mixed` does on a CPU."""
+def mixed_precisions(device: torch.device) -> tuple[str, ...]:
+    """The mixed precisions Lightning runs as such on `device`."""
+    if device.type == "cpu":
+        return ("bf16-mixed",)
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return ("16-mixed",)
+    return ("16-mixed", "bf16-mixed")
+
+
+def trainer(decoder_cls, sizes: str, device: torch.device, precision: str = "32-true", cast_once: bool = True):
+    """One training step at `precision`, as `captioner fit` runs it (see the module docstring); `cast_once=False`
+    leaves out captioner's `cast_weights_once`."""
     P, E, D, A, M, V = SIZES[sizes]
     torch.manual_seed(0)
-    decoder = decoder_cls(V, E, embed_dim=M, decoder_dim=D, attention_dim=A, dropout=0.5)
+    decoder = decoder_cls(V, E, embed_dim=M, decoder_dim=D, attention_dim=A, dropout=0.5).to(device)
     optimizer = torch.optim.Adam(decoder.parameters(), lr=4e-4)
-    annotations, captions, lengths = make_batch(P, E, V)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    annotations, captions, lengths = make_batch(P, E, V, device)
+    plugin = None if precision == "32-true" else MixedPrecision(precision, device.type)
 
     def step():
-        with autocast:
+        with contextlib.ExitStack() as forward:
+            if plugin is not None:
+                forward.enter_context(plugin.forward_context())
+                if cast_once:
+                    forward.enter_context(cast_weights_once(device))
             logits, alphas = decoder(annotations, captions, lengths)
             loss, _, _ = caption_loss(logits, captions[:, 1 : 1 + logits.size(1)], alphas)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler = plugin.scaler if plugin is not None else None
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:  # 16-mixed, as the plugin's backward and optimizer_step run it
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        synchronize(device)
 
     return step
 
@@ -82,50 +117,65 @@ def matmul_share(step) -> float:
     return sum(e.self_cpu_time_total for e in events if e.key in MATMUL_KERNELS) / total
 
 
-def main() -> None:
-    rows, figures = [], {}
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="the torch device to train on: cpu (default), cuda, ...")
+    name = parser.parse_args(argv).device
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        parser.error(f"--device {name}: {error}")
+    if device.type != "cpu" and not torch.get_device_module(device).is_available():
+        parser.error(f"--device {name}: this machine has no {device.type} device")
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
+    device = parse_device(argv)
+    variants = [("captioner", AttentionDecoder, "32-true", True)]
+    for precision in mixed_precisions(device):
+        variants += [("captioner", AttentionDecoder, precision, cast_once) for cast_once in (True, False)]
+    variants.append(("naive", NaiveDecoder, "32-true", True))
+    rows, speed, shares = [], {}, {}
     for sizes, repeats in (("shapes", 10), ("paper", 3)):
-        for name, cls, precision in (
-            ("captioner", AttentionDecoder, "32"),
-            ("captioner", AttentionDecoder, "bf16-mixed"),
-            ("naive", NaiveDecoder, "32"),
-        ):
-            step = trainer(cls, sizes, precision)
+        for name, cls, precision, cast_once in variants:
+            step = trainer(cls, sizes, device, precision, cast_once)
             seconds = timed(step, repeats)
-            profiled = name == "captioner" and precision == "32"
-            share = matmul_share(step) if profiled else float("nan")
+            profiled = name == "captioner" and precision == "32-true" and device.type == "cpu"
+            if profiled:
+                shares[sizes] = matmul_share(step)
             rows.append(
                 {
                     "sizes": sizes,
                     "decoder": name,
                     "precision": precision,
+                    "cast once": ("yes" if cast_once else "no") if precision != "32-true" else "",
                     "ms/step": f"{seconds * 1000:.0f}",
                     "captions/s": f"{B / seconds:.0f}",
-                    "matmul share": f"{share:.0%}" if profiled else "",
+                    "matmul share": f"{shares[sizes]:.0%}" if profiled else "",
                 }
             )
-            figures[(sizes, name, precision)] = B / seconds
-            if profiled:
-                figures[(sizes, "share")] = share
-    print(f"batch {B}, mean caption length about {T} words; {machine()}\n")
+            speed[(sizes, name, precision, cast_once)] = B / seconds
+    print(f"batch {B}, mean caption length about {T} words; {machine(device)}\n")
     print(table(rows))
-    speed = {key: value for key, value in figures.items() if len(key) == 3}
 
-    def bf16_gain(sizes: str) -> float:
-        return speed[(sizes, "captioner", "bf16-mixed")] / speed[(sizes, "captioner", "32")]
+    def captioner(sizes: str, precision: str = "32-true", cast_once: bool = True) -> float:
+        return speed[(sizes, "captioner", precision, cast_once)]
 
-    print(
-        result(
-            shapes_captions_per_s=f"{speed[('shapes', 'captioner', '32')]:.0f}",
-            shapes_speedup_vs_naive=f"{speed[('shapes', 'captioner', '32')] / speed[('shapes', 'naive', '32')]:.2f}",
-            paper_captions_per_s=f"{speed[('paper', 'captioner', '32')]:.1f}",
-            paper_speedup_vs_naive=f"{speed[('paper', 'captioner', '32')] / speed[('paper', 'naive', '32')]:.2f}",
-            shapes_bf16_speedup=f"{bf16_gain('shapes'):.2f}",
-            paper_bf16_speedup=f"{bf16_gain('paper'):.2f}",
-            shapes_matmul_share=f"{figures[('shapes', 'share')]:.2f}",
-            paper_matmul_share=f"{figures[('paper', 'share')]:.2f}",
-        )
-    )
+    figures = {}
+    for sizes in ("shapes", "paper"):
+        digits = 0 if sizes == "shapes" else 1
+        figures[f"{sizes}_captions_per_s"] = f"{captioner(sizes):.{digits}f}"
+        figures[f"{sizes}_speedup_vs_naive"] = f"{captioner(sizes) / speed[(sizes, 'naive', '32-true', True)]:.2f}"
+    for precision in mixed_precisions(device):
+        short = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
+        for sizes in ("shapes", "paper"):
+            float32 = captioner(sizes)
+            figures[f"{sizes}_{short}_speedup"] = f"{captioner(sizes, precision) / float32:.2f}"
+            figures[f"{sizes}_{short}_uncached_speedup"] = f"{captioner(sizes, precision, False) / float32:.2f}"
+    for sizes, share in shares.items():
+        figures[f"{sizes}_matmul_share"] = f"{share:.2f}"
+    print(result(**figures))
 
 
 if __name__ == "__main__":

@@ -59,3 +59,38 @@ def test_the_decode_benchmark_searches_in_the_library_s_context(benchmarks):
         out = search(decoder, annotations, beam)
         assert out.tokens.shape == (2, MAX_LEN)  # <end> is suppressed: no caption ends early
         assert torch.equal(out.tokens, reference.tokens)
+
+
+@pytest.mark.parametrize("cast_once", [True, False])
+def test_the_training_benchmark_runs_mixed_precision_as_captioner_fit_does(benchmarks, cast_once):
+    """train_step.py's bf16-mixed step runs under Lightning's own autocast (cache off), inside captioner's
+    `cast_weights_once` or, for its "cast once: no" rows, without it: one cast of the LSTM's weight per step against
+    one per word (and as many casts of its gradient back)."""
+    from common import SIZES
+    from train_step import trainer
+
+    from captioner.models.decoder import AttentionDecoder
+    from tests.conftest import cast_count
+
+    _, E, D, _, M, _ = SIZES["shapes"]
+    step = trainer(AttentionDecoder, "shapes", torch.device("cpu"), "bf16-mixed", cast_once)
+    casts = cast_count((4 * D, M + E), step)
+    if cast_once:
+        assert casts == 2
+    else:
+        assert casts >= 2 * 7  # captions of at least 8 tokens: at least 7 words to predict
+
+
+def test_the_training_benchmark_refuses_a_device_this_machine_lacks(benchmarks, capsys):
+    from train_step import main, mixed_precisions
+
+    assert mixed_precisions(torch.device("cpu")) == ("bf16-mixed",)  # 16-mixed is for GPUs, as in Lightning
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: this machine has no cuda device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--device", "nonsense"])
+    assert "--device nonsense:" in capsys.readouterr().err
