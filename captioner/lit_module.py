@@ -68,14 +68,7 @@ class CaptioningModule(L.LightningModule):
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
-
-    Under Lightning's mixed precision, every step runs in `captioner.precision.cast_weights_once`, so that autocast
-    casts each weight once per batch rather than once per word. `cast_weights_once_in_training = False` (on the
-    class or an instance) leaves the training step to Lightning's uncached autocast, for a subclass whose training
-    step runs a trainable weight under `torch.no_grad()` first (see `cast_weights_once`).
     """
-
-    cast_weights_once_in_training = True
 
     def __init__(
         self,
@@ -150,10 +143,7 @@ class CaptioningModule(L.LightningModule):
     def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor | None:
         if batch is None:  # every image of the batch was unreadable (each was reported); skip the step
             return None
-        if not self.cast_weights_once_in_training:
-            return self._shared_step(batch, "train")
-        with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed: once per batch, not per word
-            return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train")
 
     def _decode_step(self, batch: dict, stage: str) -> None:
         """Loss on the first reference, then one greedy decode per image, scored later against all references."""

@@ -6,7 +6,7 @@
 "32-true" is plain float32. "bf16-mixed" and "16-mixed" run under `torch.autocast` to bfloat16 or float16: what
 `trainer.precision` does in `captioner fit/validate/test/predict`, here for `Captioner` and for `captioner caption`
 and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cast each one once per block, and
-`cast_weights_once` does the same inside Lightning's loops, training included.
+`cast_weights_once` does the same inside Lightning's evaluation loops.
 
 On the 2-core CPUs these were measured on, which have native bfloat16 (AVX512-BF16; `lscpu | grep bf16`),
 "bf16-mixed" made the encoder 1.3-2.4x as fast and changed 20-24 of 256 shapes test captions. Batch-64 beam search
@@ -75,34 +75,21 @@ def decoding(precision: str, device: torch.device | str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cast_weights_once(device: torch.device | str) -> Iterator[None]:
-    """For a step inside Lightning's autocast (`trainer.precision` bf16-mixed or 16-mixed): autocast casts each weight
-    once in the block instead of at every op. Captioner's training, validation, test and predict steps run in it.
+    """For decoding inside someone else's autocast block with autograd off, as in Lightning's `validate`, `test` and
+    `predict` loops: autocast casts each weight once in the block instead of at every op.
 
-    Lightning's autocast has its cast cache off: its `MixedPrecision` plugin sets `cache_enabled=False` (since
-    Lightning 2.6, a workaround for Lightning-AI/pytorch-lightning#20644). The decoder runs its weights once per word,
-    so without the cache a training step of T words casts each weight T times, and keeps the T casts for the backward
-    pass (the cost reported in Lightning-AI/pytorch-lightning#21611). The block is a nested autocast of the same type
-    with its cache on, as plain `torch.autocast` has by default, and the cache is cleared when the block ends:
-    - with autograd on (training), the T steps share one cast of each weight, and their gradients for it are summed
-      in autocast's type before they reach the float32 weight, as in any `torch.autocast` training loop. #20644 is
-      about a weight first cast under a nested `torch.no_grad()`, whose cached cast then carries no gradient; nothing
-      in captioner's steps runs a trainable weight under `no_grad`. `CaptioningModule.cast_weights_once_in_training`
-      turns it off for training;
-    - with autograd off (Lightning's evaluation loops run under inference mode, where PyTorch skips the cache too,
-      see `decoding`), the block runs under `torch.no_grad()` with inference mode off.
-    Outside autocast it changes nothing.
+    Lightning's autocast has its cast cache off, and the loops run under inference mode, where PyTorch skips the
+    cache too (see `decoding`). So the block runs under `torch.no_grad()` with inference mode off, in a nested
+    autocast of the same type with its cache on, and the cache is cleared when the block ends. Outside autocast, or
+    with autograd on, it changes nothing.
     """
     device_type = torch.device(device).type
-    if not torch.is_autocast_enabled(device_type):
+    if not torch.is_autocast_enabled(device_type) or torch.is_grad_enabled():
         yield
         return
     dtype = torch.get_autocast_dtype(device_type)
-    with contextlib.ExitStack() as modes:
-        if not torch.is_grad_enabled():
-            modes.enter_context(torch.inference_mode(False))
-            modes.enter_context(torch.no_grad())
-        try:
-            with torch.autocast(device_type, dtype=dtype, cache_enabled=True):
-                yield
-        finally:
-            torch.clear_autocast_cache()
+    try:
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast(device_type, dtype=dtype, cache_enabled=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()

@@ -1,5 +1,3 @@
-import contextlib
-
 import lightning as L
 import pytest
 import torch
@@ -49,7 +47,7 @@ def test_decoding_is_inference_mode_in_float32_and_casts_each_weight_once_per_bl
     assert cast_count((16, 8), three_calls) == 1  # autocast's cache kept the weight's cast (inference mode would not)
 
 
-def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_outside_autocast():
+def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_elsewhere():
     layer, x = torch.nn.Linear(8, 16), torch.randn(4, 8)
 
     def three_calls():  # as in Lightning's validate loop: inference mode, and an autocast with its cache off
@@ -62,34 +60,6 @@ def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_outside_autocast
     assert cast_count((16, 8), three_calls) == 2
     with torch.inference_mode(), cast_weights_once("cpu"):  # no autocast: nothing to cache, nothing changes
         assert torch.is_inference_mode_enabled()
-
-
-def test_cast_weights_once_in_training_shares_one_cast_and_its_gradients_reach_the_weight():
-    """In a training step under Lightning's autocast (cache off), the block casts the weight once for all its uses,
-    autograd stays on, and the weight gets the gradient of every use: the same as with a cast per use, up to the
-    rounding of summing the uses' gradients in bfloat16."""
-    x = torch.randn(4, 8)
-
-    def train(cast_once: bool) -> tuple[torch.nn.Linear, int]:
-        torch.manual_seed(0)
-        layer, losses = torch.nn.Linear(8, 8), []
-
-        def forward():
-            lightnings = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-            with lightnings, cast_weights_once("cpu") if cast_once else contextlib.nullcontext():
-                assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-                h = x
-                for _ in range(3):  # one weight, three uses: as the decoder's words
-                    h = torch.tanh(layer(h))
-                losses.append(h.float().square().sum())
-
-        casts = cast_count((8, 8), forward)
-        losses[0].backward()
-        return layer, casts
-
-    cached, cached_casts = train(cast_once=True)
-    uncached, uncached_casts = train(cast_once=False)
-    assert (cached_casts, uncached_casts) == (1, 3)
-    assert cached.weight.grad is not None and cached.weight.grad.abs().sum() > 0
-    torch.testing.assert_close(cached.weight.grad, uncached.weight.grad, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(cached.bias.grad, uncached.bias.grad, rtol=2e-2, atol=2e-2)
+    with autocast("bf16-mixed", "cpu"), cast_weights_once("cpu"):  # autograd on (training): nothing changes
+        assert torch.is_grad_enabled()
+        assert layer(x).requires_grad
