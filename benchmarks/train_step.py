@@ -3,12 +3,11 @@
     python benchmarks/train_step.py                  # on the CPU
     python benchmarks/train_step.py --device cuda    # on a GPU, with 16-mixed too
 
-Each step runs on the next of BATCHES batches of different caption lengths, as an epoch's steps do; the table gives
-the median step (of 16 at the shapes sizes, 4 at the paper's, after one untimed). Compares captioner's decoder (in
-float32, and in mixed precision) with a naive variant that re-projects the
+Compares captioner's decoder (in float32, and in mixed precision) with a naive variant that re-projects the
 annotations at every step and runs the whole batch for the longest caption (what the popular tutorials do), at the
-shapes sizes and the paper's sizes. Also reports, on a CPU, the share of CPU time spent in matmul and LSTM kernels
-(torch profiler).
+shapes sizes and the paper's sizes. Each step runs on the next of BATCHES batches of different caption lengths, as an
+epoch's steps do; the table gives the median step (of 16 at the shapes sizes, 4 at the paper's, after one untimed).
+Also reports, on a CPU, the share of CPU time spent in matmul and LSTM kernels (torch profiler).
 
 Mixed precision runs as `captioner fit --trainer.precision ...` runs it: the forward pass and the loss in the
 autocast of Lightning's own `MixedPrecision` plugin, whose cast cache is off (each weight is cast again at every
