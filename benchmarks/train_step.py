@@ -5,14 +5,17 @@
 
 Compares captioner's decoder (in float32, and in mixed precision) with a naive variant that re-projects the
 annotations at every step and runs the whole batch for the longest caption (what the popular tutorials do), at the
-shapes sizes and the paper's sizes. Each step runs on the next of BATCHES batches of different caption lengths, as an
-epoch's steps do; the table gives the median step (of 16 at the shapes sizes, 4 at the paper's, after one untimed).
-Also reports, on a CPU, the share of CPU time spent in matmul and LSTM kernels (torch profiler).
+shapes sizes and the paper's sizes. Each step runs on the next of a cycle of batches of different caption lengths
+(16 at the shapes sizes, 4 at the paper's), as an epoch's steps do; the table gives the median step of one pass over
+the cycle, after an untimed pass. Also reports, on a CPU, the share of CPU time spent in matmul and LSTM kernels
+(torch profiler).
 
 Mixed precision runs as `captioner fit --trainer.precision ...` runs it: the forward pass and the loss in the
 autocast of Lightning's own `MixedPrecision` plugin, whose cast cache is off (each weight is cast again at every
 word), and 16-mixed scales the loss with the plugin's GradScaler. bf16-mixed is measured on a CPU, and on a GPU that
-supports it; 16-mixed on a GPU only (Lightning runs it as bf16-mixed on a CPU).
+supports it; 16-mixed on a GPU only (Lightning runs it as bf16-mixed on a CPU). The process starts with the
+settings the `captioner` command starts with (captioner.runtime): among them room for 16384 oneDNN kernels, without
+which bf16-mixed training rebuilds kernels all the time.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from captioner.lit_module import caption_loss
 from captioner.models.decoder import AttentionDecoder
+from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 
 B, T = 64, 16
 # A training epoch's batches differ in their caption lengths, so the decoder's shrinking batch gives its matmuls
 # different row counts from batch to batch; a step repeated on one batch would see the same few shapes every time.
 # That matters for bf16-mixed on a CPU, where oneDNN makes a kernel per matmul shape and keeps a limited number of them.
-BATCHES = 16
+BATCHES = {"shapes": 16, "paper": 4}
 MATMUL_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_thnn_fused_lstm")
 
 
@@ -86,19 +90,20 @@ def trainer(
     sizes: str,
     device: torch.device | str = "cpu",
     precision: str = "32-true",
+    batches: int = 16,
 ):
     """A training step at `precision`, as `captioner fit` runs it (see the module docstring), each call on the next of
-    BATCHES batches."""
+    `batches` batches."""
     P, E, D, A, M, V = SIZES[sizes]
     device = torch.device(device)
     torch.manual_seed(0)
     decoder = decoder_cls(V, E, embed_dim=M, decoder_dim=D, attention_dim=A, dropout=0.5).to(device)
     optimizer = torch.optim.Adam(decoder.parameters(), lr=4e-4)
-    batches = itertools.cycle([make_batch(P, E, V, device, seed) for seed in range(BATCHES)])
+    cycle = itertools.cycle([make_batch(P, E, V, device, seed) for seed in range(batches)])
     plugin = None if precision == "32-true" else MixedPrecision(precision, device.type)
 
     def step():
-        annotations, captions, lengths = next(batches)
+        annotations, captions, lengths = next(cycle)
         with plugin.forward_context() if plugin is not None else contextlib.nullcontext():
             logits, alphas = decoder(annotations, captions, lengths)
             loss, _, _ = caption_loss(logits, captions[:, 1 : 1 + logits.size(1)], alphas)
@@ -140,14 +145,16 @@ def parse_device(argv: list[str] | None = None) -> torch.device:
 
 def main(argv: list[str] | None = None) -> None:
     device = parse_device(argv)
+    keep_freed_memory()  # as the `captioner` command starts
+    keep_more_onednn_kernels()
     variants = [("captioner", AttentionDecoder, "32-true")]
     variants += [("captioner", AttentionDecoder, precision) for precision in mixed_precisions(device)]
     variants.append(("naive", NaiveDecoder, "32-true"))
     rows, speed, shares = [], {}, {}
-    for sizes, repeats in (("shapes", BATCHES), ("paper", 4)):
+    for sizes, batches in BATCHES.items():
         for name, cls, precision in variants:
-            step = trainer(cls, sizes, device, precision)
-            seconds = timed(step, repeats)
+            step = trainer(cls, sizes, device, precision, batches)
+            seconds = timed(step, repeats=batches, warmup=batches)  # an untimed pass over the cycle, then a timed one
             profiled = name == "captioner" and precision == "32-true" and device.type == "cpu"
             if profiled:
                 shares[sizes] = matmul_share(step)

@@ -23,7 +23,7 @@ from jsonargparse import ArgumentError
 
 from captioner.errors import CaptionerError, ConfigError
 from captioner.precision import PRECISIONS, decoding
-from captioner.runtime import keep_freed_memory
+from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
@@ -232,6 +232,7 @@ def export_model(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     keep_freed_memory()  # see captioner.runtime; CAPTIONER_KEEP_FREED_MEMORY=0 turns it off
+    keep_more_onednn_kernels()  # see captioner.runtime; ONEDNN_PRIMITIVE_CACHE_CAPACITY overrides it
     try:
         command = argv[0] if argv else None
         if command == "demo":

@@ -12,6 +12,9 @@ memory for its largest tensor at every step; since it reuses a per-thread worksp
 PyTorch's CPU tuning guides make by preloading jemalloc or tcmalloc. The process then holds on to memory it freed
 (up to its peak), which is what a captioning or training run wants. The `captioner` command calls it at start-up;
 set CAPTIONER_KEEP_FREED_MEMORY=0 to leave malloc alone. Python users may call it themselves.
+
+`keep_more_onednn_kernels` raises oneDNN's kernel cache from 1024 to 16384 kernels, for bf16-mixed training on a CPU
+(see its docstring). The `captioner` command calls it at start-up too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,28 @@ def keep_freed_memory() -> bool:
     # Both or neither: setting either one turns off glibc's adaptive thresholds, so the trim threshold alone would
     # leave every block above 128 KiB to mmap. `and` skips it when the mmap threshold is refused (returns 0).
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+ONEDNN_KERNELS = 16384
+
+
+def keep_more_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
+    """Let oneDNN keep `capacity` kernels rather than its default 1024, unless the environment variable
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY already says how many. Returns whether it set it.
+
+    oneDNN runs torch's bfloat16 matmuls on a CPU (and, on AMD CPUs, captioner's float32 decoding matmuls:
+    captioner.models.onednn), and builds a kernel for each new matmul shape. The decoder's shrinking batch gives its
+    matmuls a different number of rows at almost every word, and in bf16-mixed training each of them is a new shape
+    forward and backward: 32 training steps at the shapes sizes (benchmarks/train_step.py) need about 1,400 kernels,
+    so with room for 1024 oneDNN kept rebuilding them. On an Intel Xeon, `captioner fit --config configs/shapes.yaml
+    --trainer.precision=bf16-mixed` took 341 s with this and 552 s without, with the same results and no larger peak
+    memory (docs/benchmarks.md, Training step). oneDNN reads the variable when it first needs its cache, so this must
+    run before the first bfloat16 matmul of the process.
+    """
+    if "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ:
+        return False
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
+    return True
 
 
 def cpu_info(field: str) -> str:

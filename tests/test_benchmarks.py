@@ -74,8 +74,8 @@ def test_the_training_benchmark_runs_mixed_precision_as_captioner_fit_does(bench
     P, E, D, _, M, V = SIZES["shapes"]
     step = trainer(AttentionDecoder, "shapes", "cpu", "bf16-mixed")
     assert cast_count((4 * D, M + E), step) >= 2 * 7  # captions of at least 8 tokens: at least 7 words to predict
-    lengths = [make_batch(P, E, V, seed=seed)[2] for seed in range(BATCHES)]
-    assert len({tuple(sorted(batch.tolist())) for batch in lengths}) == BATCHES
+    lengths = [make_batch(P, E, V, seed=seed)[2] for seed in range(BATCHES["shapes"])]
+    assert len({tuple(sorted(batch.tolist())) for batch in lengths}) == BATCHES["shapes"]
 
 
 def test_the_training_benchmark_refuses_a_device_this_machine_lacks(benchmarks, capsys):

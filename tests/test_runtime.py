@@ -1,14 +1,15 @@
+import os
 import subprocess
 import sys
 
 import pytest
 
-from captioner.runtime import keep_freed_memory
+from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 
 # Run in a child process: the malloc setting holds for the whole process.
 CHILD = """
 import resource, torch
-from captioner.runtime import keep_freed_memory
+from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 applied = keep_freed_memory()
 sizes = [2**20 * n for n in range(1, 31)]  # growing blocks below 32 MiB, each freed before the next
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -38,3 +39,40 @@ def test_keep_freed_memory_stops_the_page_faults_of_reallocating_large_blocks():
 def test_the_environment_variable_turns_it_off(monkeypatch):
     monkeypatch.setenv("CAPTIONER_KEEP_FREED_MEMORY", "0")
     assert keep_freed_memory() is False
+
+
+# oneDNN's kernel cache: a child process, since oneDNN reads its capacity once per process.
+ONEDNN_CHILD = """
+import sys, torch
+from captioner.runtime import keep_more_onednn_kernels
+if sys.argv[1] == "1":
+    keep_more_onednn_kernels()
+for _ in range(2):  # 1,100 matmul shapes, twice: more than oneDNN's default of 1024 kernels
+    for rows in range(1, 1101):
+        torch.ones(rows, 32, dtype=torch.bfloat16) @ torch.ones(32, 32, dtype=torch.bfloat16)
+"""
+
+
+def kernels_built(keep_more: bool) -> int:
+    """How many kernels oneDNN built in the child: its verbose log's cache misses."""
+    env = {"ONEDNN_VERBOSE": "all", "PATH": "/usr/bin:/bin"}
+    args = [sys.executable, "-c", ONEDNN_CHILD, "1" if keep_more else "0"]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    return out.stdout.count("create:cache_miss")
+
+
+def test_keep_more_onednn_kernels_builds_each_shape_once():
+    default = kernels_built(keep_more=False)
+    if default == 0:
+        pytest.skip("torch does not run bfloat16 matmuls through oneDNN on this CPU")
+    assert default > 2000  # the second pass rebuilt what the first pass had pushed out of the cache
+    assert 1000 < kernels_built(keep_more=True) <= 1100  # at most one per shape: the second pass built none
+
+
+def test_keep_more_onednn_kernels_leaves_a_capacity_the_environment_sets(monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    assert keep_more_onednn_kernels() is False
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert keep_more_onednn_kernels() is True
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16384"
