@@ -76,3 +76,12 @@ def test_keep_more_onednn_kernels_leaves_a_capacity_the_environment_sets(monkeyp
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert keep_more_onednn_kernels() is True
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16384"
+
+
+def test_the_captioner_command_starts_with_room_for_more_kernels(monkeypatch, capsys):
+    from captioner.cli import main
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["caption", "--help"])
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16384"
