@@ -12,11 +12,6 @@ def cast_count(shape: tuple[int, ...], fn) -> int:
     """How many times running `fn` cast a tensor of `shape` to another dtype (torch profiler)."""
     with torch.profiler.profile(record_shapes=True) as profiler:
         fn()
-    return casts(profiler, shape)
-
-
-def casts(profiler: torch.profiler.profile, shape: tuple[int, ...]) -> int:
-    """How many times a tensor of `shape` was cast to another dtype while `profiler` (with record_shapes) ran."""
     return sum(
         e.count
         for e in profiler.key_averages(group_by_input_shape=True)
