@@ -101,6 +101,7 @@ def trainer(
     optimizer = torch.optim.Adam(decoder.parameters(), lr=4e-4)
     cycle = itertools.cycle([make_batch(P, E, V, device, seed) for seed in range(batches)])
     plugin = None if precision == "32-true" else MixedPrecision(precision, device.type)
+    scaler = getattr(plugin, "scaler", None)  # 16-mixed's GradScaler
 
     def step():
         annotations, captions, lengths = next(cycle)
@@ -108,7 +109,6 @@ def trainer(
             logits, alphas = decoder(annotations, captions, lengths)
             loss, _, _ = caption_loss(logits, captions[:, 1 : 1 + logits.size(1)], alphas)
         optimizer.zero_grad(set_to_none=True)
-        scaler = plugin.scaler if plugin is not None else None
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -176,13 +176,13 @@ def main(argv: list[str] | None = None) -> None:
         return speed[(sizes, "captioner", precision)]
 
     figures = {}
-    for sizes in ("shapes", "paper"):
+    for sizes in BATCHES:
         digits = 0 if sizes == "shapes" else 1
         figures[f"{sizes}_captions_per_s"] = f"{captioner(sizes):.{digits}f}"
         figures[f"{sizes}_speedup_vs_naive"] = f"{captioner(sizes) / speed[(sizes, 'naive', '32-true')]:.2f}"
     for precision in mixed_precisions(device):
         short = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
-        for sizes in ("shapes", "paper"):
+        for sizes in BATCHES:
             figures[f"{sizes}_{short}_speedup"] = f"{captioner(sizes, precision) / captioner(sizes):.2f}"
     for sizes, share in shares.items():
         figures[f"{sizes}_matmul_share"] = f"{share:.2f}"

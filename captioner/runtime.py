@@ -58,8 +58,8 @@ def keep_more_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     oneDNN runs torch's bfloat16 matmuls on a CPU (and, on AMD CPUs, captioner's float32 decoding matmuls:
     captioner.models.onednn), and builds a kernel for each new matmul shape. The decoder's shrinking batch gives its
     matmuls a different number of rows at almost every word, and in bf16-mixed training each of them is a new shape
-    forward and backward: 32 training steps at the shapes sizes (benchmarks/train_step.py) need about 1,400 kernels,
-    so with room for 1024 oneDNN kept rebuilding them. On an Intel Xeon, `captioner fit --config configs/shapes.yaml
+    forward and backward: more shapes than the 1024 kernels oneDNN keeps by default, so it kept rebuilding them
+    (tests/test_runtime.py shows it on 1,100 shapes). On an Intel Xeon, `captioner fit --config configs/shapes.yaml
     --trainer.precision=bf16-mixed` took 318-341 s with this and 552 s without, with the same results, and peak
     memory within its run-to-run variation (docs/benchmarks.md, Training step). oneDNN reads the variable when it
     first needs its cache, so this must run before the first bfloat16 matmul of the process.
