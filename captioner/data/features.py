@@ -99,6 +99,10 @@ class FeatureCache:
             batch_size=batch_size,
             num_workers=num_workers,
             collate_fn=_stack,
+            # Its own generator: iterating a DataLoader draws a seed from the one it is given, by default the global
+            # one, and the shuffling and dropout of the training that follows must not depend on whether the cache
+            # had to be built first.
+            generator=torch.Generator(),
         )
         was_training = self.encoder.training
         original_device = next(self.encoder.parameters()).device
