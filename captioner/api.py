@@ -25,6 +25,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
 from captioner.models.show_attend_tell import ShowAttendTell
 from captioner.precision import check_precision, decoding
+from captioner.runtime import keep_more_onednn_kernels
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}
@@ -73,6 +74,7 @@ class Captioner:
         device: torch.device | str | None = None,
         precision: str = "32-true",
     ):
+        keep_more_onednn_kernels()  # decoding's shrinking batch gives many matmul shapes; see captioner.runtime
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = check_precision(precision)
         self.model = model.eval().to(self.device)

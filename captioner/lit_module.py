@@ -11,6 +11,7 @@ from captioner.errors import ConfigError
 from captioner.metrics import attention_correctness, bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
 from captioner.precision import cast_weights_once
+from captioner.runtime import keep_more_onednn_kernels
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
 
@@ -97,6 +98,7 @@ class CaptioningModule(L.LightningModule):
         beam_size: int = 3,
     ):
         super().__init__()
+        keep_more_onednn_kernels()  # for training with one's own Trainer too; see captioner.runtime
         if alpha_c < 0:
             raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
         if encoder_lr <= 0 or decoder_lr <= 0:

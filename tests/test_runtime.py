@@ -47,16 +47,20 @@ import sys, torch
 from captioner.runtime import keep_more_onednn_kernels
 if sys.argv[1] == "1":
     keep_more_onednn_kernels()
+elif sys.argv[1] == "module":  # a Python user's own training: the LightningModule, built before any matmul
+    from captioner.lit_module import CaptioningModule
+    CaptioningModule(["<pad>", "<start>", "<end>", "<unk>", "a"], pretrained=False, embed_dim=8, decoder_dim=8,
+                     attention_dim=8)
 for _ in range(2):  # 1,100 matmul shapes, twice: more than oneDNN's default of 1024 kernels
     for rows in range(1, 1101):
         torch.ones(rows, 32, dtype=torch.bfloat16) @ torch.ones(32, 32, dtype=torch.bfloat16)
 """
 
 
-def kernels_built(keep_more: bool) -> int:
+def kernels_built(keep_more: bool | str) -> int:
     """How many kernels oneDNN built in the child: its verbose log's cache misses."""
     env = {"ONEDNN_VERBOSE": "all", "PATH": "/usr/bin:/bin"}
-    args = [sys.executable, "-c", ONEDNN_CHILD, "1" if keep_more else "0"]
+    args = [sys.executable, "-c", ONEDNN_CHILD, keep_more if isinstance(keep_more, str) else str(int(keep_more))]
     out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return out.stdout.count("create:cache_miss")
 
@@ -67,6 +71,17 @@ def test_keep_more_onednn_kernels_builds_each_shape_once():
         pytest.skip("torch does not run bfloat16 matmuls through oneDNN on this CPU")
     assert default > 2000  # the second pass rebuilt what the first pass had pushed out of the cache
     assert kernels_built(keep_more=True) <= 1100  # at most one per shape: the second pass built none
+    # Training with one's own Lightning Trainer, without the captioner command: the LightningModule, built before
+    # the first matmul, makes the same room.
+    assert kernels_built(keep_more="module") <= 1100
+
+
+def test_a_captioner_made_in_python_makes_the_same_room(monkeypatch, tiny_model):
+    from captioner.api import Captioner
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    Captioner.load(tiny_model, device="cpu")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16384"
 
 
 def test_keep_more_onednn_kernels_leaves_a_capacity_the_environment_sets(monkeypatch):
