@@ -45,7 +45,7 @@ def test_the_environment_variable_turns_it_off(monkeypatch):
 ONEDNN_CHILD = """
 import sys, torch
 from captioner.runtime import keep_more_onednn_kernels
-if sys.argv[1] == "1":
+if sys.argv[1] == "call":
     keep_more_onednn_kernels()
 elif sys.argv[1] == "module":  # a Python user's own training: the LightningModule, built before any matmul
     from captioner.lit_module import CaptioningModule
@@ -57,23 +57,24 @@ for _ in range(2):  # 1,100 matmul shapes, twice: more than oneDNN's default of 
 """
 
 
-def kernels_built(keep_more: bool | str) -> int:
-    """How many kernels oneDNN built in the child: its verbose log's cache misses."""
+def kernels_built(setup: str) -> int:
+    """How many kernels oneDNN built in the child (its verbose log's cache misses) after `setup`: "none",
+    "call" (keep_more_onednn_kernels()) or "module" (a CaptioningModule made first)."""
     env = {"ONEDNN_VERBOSE": "all", "PATH": "/usr/bin:/bin"}
-    args = [sys.executable, "-c", ONEDNN_CHILD, keep_more if isinstance(keep_more, str) else str(int(keep_more))]
+    args = [sys.executable, "-c", ONEDNN_CHILD, setup]
     out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return out.stdout.count("create:cache_miss")
 
 
 def test_keep_more_onednn_kernels_builds_each_shape_once():
-    default = kernels_built(keep_more=False)
+    default = kernels_built("none")
     if default == 0:
         pytest.skip("torch does not run bfloat16 matmuls through oneDNN on this CPU")
     assert default > 2000  # the second pass rebuilt what the first pass had pushed out of the cache
-    assert kernels_built(keep_more=True) <= 1100  # at most one per shape: the second pass built none
+    assert kernels_built("call") <= 1100  # at most one per shape: the second pass built none
     # Training with one's own Lightning Trainer, without the captioner command: the LightningModule, built before
     # the first matmul, makes the same room.
-    assert kernels_built(keep_more="module") <= 1100
+    assert kernels_built("module") <= 1100
 
 
 def test_a_captioner_made_in_python_makes_the_same_room(monkeypatch, tiny_model):
