@@ -12,15 +12,28 @@ gives the speed-up of this CPU's default form over the textbook, and of the tanh
 A second table does the same under CPU autocast to bfloat16 (bf16-mixed), where captioner computes everything but
 the matmuls W a and U h in float32 (`AdditiveAttention.float32_under_cpu_autocast`): that, in this CPU's default
 form, against plain autocast, which computes it all in bfloat16, in either form. Its RESULT keys start with bf16_.
+
+A third table asks the same of whole steps rather than the scorer alone: bf16-mixed training steps (train_step.py's,
+over its cycle of batches) and beam-3 searches (decode.py's, at batch 1 and 64) with the scorer in float32 and with
+plain autocast, the two settings taking turns over ROUNDS rounds; each figure is the fastest round's median. It also
+counts how many of the bundled shapes model's beam-3 captions of 256 test images are the same as float32's under
+each setting. Its RESULT keys start with bf16_step_ and bf16_same_captions_.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import statistics
+
 import torch
-from common import SIZES, TextbookAdditiveAttention, machine, result, table, timed
+from common import SIZES, TextbookAdditiveAttention, machine, result, same_bundled_captions, samples, table, timed
+from decode import call_seconds, random_decoder
+from train_step import BATCHES, trainer
 
 from captioner.models.attention import FORMS, AdditiveAttention
-from captioner.runtime import cpu_vendor
+from captioner.models.decoder import AttentionDecoder
+from captioner.runtime import cpu_vendor, keep_freed_memory, keep_more_onednn_kernels
 
 BATCH = 64
 ROUNDS = 3
@@ -78,7 +91,86 @@ def bf16_table() -> tuple[list[dict], dict]:
     return rows, figures
 
 
+def median_step(step, batches: int) -> float:
+    """Median seconds of a pass of training steps over train_step.py's cycle of `batches` batches."""
+    return statistics.median(samples(step, batches, warmup=0))
+
+
+def median_search(decoder, annotations: torch.Tensor, calls: int) -> float:
+    """Median seconds of `calls` bf16-mixed beam-3 searches, as decode.py times them."""
+    return statistics.median(call_seconds(decoder, annotations, 3, "bf16-mixed", calls=calls))
+
+
+@contextlib.contextmanager
+def float32_scorer(flag: bool):
+    """AdditiveAttention.float32_under_cpu_autocast set to `flag` inside the block."""
+    before = AdditiveAttention.float32_under_cpu_autocast
+    AdditiveAttention.float32_under_cpu_autocast = flag
+    try:
+        yield
+    finally:
+        AdditiveAttention.float32_under_cpu_autocast = before
+
+
+def bf16_step_table() -> tuple[list[dict], dict]:
+    """Whole bf16-mixed training steps and beam-3 searches, with the scorer in float32 and under plain autocast."""
+    settings = (True, False)
+    rows, figures = [], {}
+    for sizes in ("shapes", "paper"):
+        P, E = SIZES[sizes][:2]
+        batches = BATCHES[sizes]
+        step = trainer(AttentionDecoder, sizes, "cpu", "bf16-mixed", batches)
+        decoder = random_decoder(sizes)
+        inputs = {batch: torch.randn(batch, P, E) for batch in (1, 64)}
+        runs = {"train, batch 64": functools.partial(median_step, step, batches)}
+        for batch, a in inputs.items():
+            runs[f"beam 3, batch {batch}"] = functools.partial(median_search, decoder, a, calls=12 if batch == 1 else 3)
+        for flag in settings:  # an untimed pass of each, so both settings start with their kernels built
+            with float32_scorer(flag):
+                for run in runs.values():
+                    run()
+        seconds = {(use, flag): float("inf") for use in runs for flag in settings}
+        for _ in range(ROUNDS):
+            for use, run in runs.items():
+                for flag in settings:
+                    with float32_scorer(flag):
+                        seconds[use, flag] = min(seconds[use, flag], run())
+        for use in runs:
+            ratio = seconds[use, False] / seconds[use, True]
+            key = use.replace(", batch ", "_b").replace("beam 3", "beam3").replace("train_b64", "train")
+            figures[f"{sizes}_{key}"] = ratio
+            rows.append(
+                {
+                    "sizes": sizes,
+                    "use": use,
+                    "float32 scorer ms": f"{1e3 * seconds[use, True]:.1f}",
+                    "plain autocast ms": f"{1e3 * seconds[use, False]:.1f}",
+                    "float32 scorer over plain": f"{ratio:.2f}x",
+                }
+            )
+
+    def bf16(flag: bool):
+        @contextlib.contextmanager
+        def setting(captioner):
+            with float32_scorer(flag):
+                captioner.precision = "bf16-mixed"
+                try:
+                    yield
+                finally:
+                    captioner.precision = "32-true"
+
+        return setting
+
+    for flag, name in ((True, "float32"), (False, "plain")):
+        figures[f"same_{name}"] = same_bundled_captions(
+            lambda _: contextlib.nullcontext(), bf16(flag), n=256, batch_size=64
+        )
+    return rows, figures
+
+
 def main() -> None:
+    keep_freed_memory()  # as the `captioner` command starts: bf16-mixed training needs the room for oneDNN kernels
+    keep_more_onednn_kernels()
     rows, figures = [], {}
     for sizes in ("shapes", "paper"):
         P, E, D, A, _, _ = SIZES[sizes]
@@ -115,6 +207,17 @@ def main() -> None:
     bf16_rows, bf16 = bf16_table()
     print("\nthe same under CPU autocast to bfloat16 (bf16-mixed)\n")
     print(table(bf16_rows))
+    step_rows, steps = bf16_step_table()
+    print(
+        f"\nwhole bf16-mixed steps, the scorer in float32 against plain autocast (default here: "
+        f"{'float32' if AdditiveAttention.float32_under_cpu_autocast else 'plain'}); the bundled model's beam-3 "
+        f"captions of 256 images the same as float32's: {steps['same_float32']} with the float32 scorer, "
+        f"{steps['same_plain']} with plain autocast\n"
+    )
+    print(table(step_rows))
+    step_figures = {
+        f"bf16_step_{key}_float32_speedup": f"{value:.2f}" for key, value in steps.items() if not key.startswith("same")
+    }
     print(
         result(
             default_form=AdditiveAttention.form,
@@ -130,6 +233,9 @@ def main() -> None:
             bf16_shapes_train_float32_speedup=f"{bf16['shapes', 'train'][0]:.2f}",
             bf16_paper_decode_float32_speedup=f"{bf16['paper', 'decode, beam 3'][0]:.2f}",
             bf16_paper_train_float32_speedup=f"{bf16['paper', 'train'][0]:.2f}",
+            **step_figures,
+            bf16_same_captions_float32=steps["same_float32"],
+            bf16_same_captions_plain=steps["same_plain"],
         )
     )
 
