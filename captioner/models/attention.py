@@ -75,6 +75,12 @@ def default_form(vendor: str | None = None) -> str:
     return "sigmoid" if is_amd_cpu(vendor) else "tanh"
 
 
+def default_float32_under_cpu_autocast(vendor: str | None = None) -> bool:
+    """Whether the additive scorer computes in float32 under CPU autocast: on every CPU but AMD's, where plain
+    autocast was the faster (see AdditiveAttention)."""
+    return not is_amd_cpu(vendor)
+
+
 class AdditiveAttention(Attention):
     """Bahdanau scoring, the paper's: e_ti = v . tanh(W a_i + U h_{t-1}).
 
@@ -94,18 +100,23 @@ class AdditiveAttention(Attention):
       torch's tanh kernel was several times slower than its sigmoid.
     The class attribute sets it for every instance (`AdditiveAttention.form = "tanh"`), an instance's for one.
 
-    Under autocast on a CPU (bf16-mixed), the keys are kept in float32 and x, its tanh and v . tanh(x) are computed
-    in float32; the matmuls W a and U h still run in bfloat16. Plain autocast would compute all of it in bfloat16,
-    as it still does on a GPU. The paper predates mixed precision, so this is not a deviation from it. It is a
-    choice of speed: torch's bfloat16 tanh and sigmoid are slow on a CPU, and on an Intel Xeon a decoding step's
-    scorer ran 2.4-3.3x as fast this way as under plain autocast (training: about even; benchmarks/attention.py,
-    docs/benchmarks.md). It is also the more precise. `float32_under_cpu_autocast = False` gives plain autocast.
+    Under autocast on a CPU (bf16-mixed), except on AMD CPUs, the keys are kept in float32 and x, its tanh and
+    v . tanh(x) are computed in float32; the matmuls W a and U h still run in bfloat16. Plain autocast computes all
+    of it in bfloat16, as it does on a GPU. The paper predates mixed precision, so neither is a deviation from it.
+    It is a choice of speed, by CPU (benchmarks/attention.py, docs/benchmarks.md):
+    - on an Intel Xeon, torch's bfloat16 tanh and sigmoid were slow, and a decoding step's scorer ran 2.4-3.3x as
+      fast in float32 as under plain autocast (training: about even);
+    - on an AMD EPYC (with avx512_bf16) plain autocast was the faster: whole bf16-mixed training steps and beam-3
+      searches ran 1.01-1.25x as fast with it, and the bundled model's captions changed no more (222 of 256 the
+      same as float32's, against 221).
+    Float32 is the more precise. `float32_under_cpu_autocast` (True or False) sets it for every instance, like
+    `form`.
     """
 
     chunk_elements = 2**20  # about 4 MB of float32 per piece when decoding
     reuse_workspace = True  # build the pieces in this thread's workspace (when decoding)
     form = default_form()
-    float32_under_cpu_autocast = True
+    float32_under_cpu_autocast = default_float32_under_cpu_autocast()
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
         super().__init__()

@@ -11,6 +11,7 @@ from captioner.models.attention import (
     AdditiveAttention,
     DotAttention,
     build_attention,
+    default_float32_under_cpu_autocast,
     default_form,
     workspace,
 )
@@ -51,8 +52,9 @@ def test_weights_are_float32_in_low_precision_and_keep_float64(kind):
 def test_additive_scores_are_float32_under_cpu_autocast(monkeypatch, form, decoding):
     """Under CPU autocast W a and U h run in bfloat16, and the rest of the scorer in float32: the keys and scores are
     float32, equal to that computation within float32 rounding, and gradients flow. Plain autocast's scores (the
-    switch off) have bfloat16's rounding."""
+    switch off, the default on AMD CPUs) have bfloat16's rounding."""
     monkeypatch.setattr(AdditiveAttention, "form", form)
+    monkeypatch.setattr(AdditiveAttention, "float32_under_cpu_autocast", True)
     torch.manual_seed(0)
     attention = AdditiveAttention(E, D, A)
     a, h = torch.randn(B, P, E), torch.randn(B, 2, D)
@@ -182,6 +184,11 @@ def test_the_workspace_grows_and_follows_the_dtype():
 )
 def test_the_scorer_form_is_chosen_by_cpu(vendor, form):
     assert default_form(vendor) == form
+
+
+@pytest.mark.parametrize("vendor, float32", [("AuthenticAMD", False), ("GenuineIntel", True), ("", True)])
+def test_the_scorer_precision_under_cpu_autocast_is_chosen_by_cpu(vendor, float32):
+    assert default_float32_under_cpu_autocast(vendor) is float32
 
 
 def test_an_unknown_scorer_form_is_a_config_error():
