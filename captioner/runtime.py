@@ -89,7 +89,7 @@ def cpu_vendor() -> str:
     which on Windows includes it), or "" when unknown (an Arm CPU has no vendor_id line).
 
     Some kernels that compute the same function differ in speed by CPU (captioner.models.onednn and
-    captioner.models.attention choose by it; docs/benchmarks.md, On an Intel Xeon).
+    captioner.models.attention choose by it; docs/benchmarks-log.md, On an Intel Xeon).
     """
     return cpu_info("vendor_id") or platform.processor()
 
