@@ -103,12 +103,12 @@ class AdditiveAttention(Attention):
     Under autocast on a CPU (bf16-mixed), except on AMD CPUs, the keys are kept in float32 and x, its tanh and
     v . tanh(x) are computed in float32; the matmuls W a and U h still run in bfloat16. Plain autocast computes all
     of it in bfloat16, as it does on a GPU. The paper predates mixed precision, so neither is a deviation from it.
-    It is a choice of speed, by CPU (benchmarks/attention.py, docs/benchmarks.md):
+    It is a choice of speed, by CPU (benchmarks/attention.py; docs/benchmarks-log.md has the runs):
     - on an Intel Xeon, torch's bfloat16 tanh and sigmoid were slow, and a decoding step's scorer ran 2.4-3.3x as
       fast in float32 as under plain autocast (training: about even);
-    - on an AMD EPYC (with avx512_bf16) plain autocast was the faster: whole bf16-mixed training steps and beam-3
-      searches ran 1.01-1.25x as fast with it, and the bundled model's captions changed no more (222 of 256 the
-      same as float32's, against 221).
+    - on an AMD EPYC (with avx512_bf16) plain autocast was the faster: whole bf16-mixed training steps ran 1.08-1.10x
+      as fast with it, beam-3 searches about even (0.94-1.25x), and the bundled model's captions changed no more
+      (222 of 256 the same as float32's, against 221).
     Float32 is the more precise. `float32_under_cpu_autocast` (True or False) sets it for every instance, like
     `form`.
     """
