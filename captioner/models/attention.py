@@ -106,7 +106,7 @@ class AdditiveAttention(Attention):
     It is a choice of speed, by CPU (benchmarks/attention.py; docs/benchmarks-log.md has the runs):
     - on an Intel Xeon, torch's bfloat16 tanh and sigmoid were slow, and a decoding step's scorer ran 2.4-3.3x as
       fast in float32 as under plain autocast (training: about even);
-    - on an AMD EPYC (with avx512_bf16) plain autocast was the faster: whole bf16-mixed training steps ran 1.08-1.10x
+    - on an AMD EPYC (with avx512_bf16) plain autocast was the faster: whole bf16-mixed training steps ran 1.08-1.11x
       as fast with it, beam-3 searches about even (0.94-1.25x), and the bundled model's captions changed no more
       (222 of 256 the same as float32's, against 221).
     Float32 is the more precise. `float32_under_cpu_autocast` (True or False) sets it for every instance, like
