@@ -9,7 +9,7 @@ and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cas
 `cast_weights_once` does the same inside Lightning's evaluation loops.
 
 On the 2-core CPUs these were measured on, which have native bfloat16 (AVX512-BF16; `lscpu | grep bf16`),
-"bf16-mixed" made the encoder 1.3-2.4x as fast and changed 20-24 of 256 shapes test captions. Batch-64 beam search
+"bf16-mixed" made the encoder 1.3-2.4x as fast and changed 20-35 of 256 shapes test captions. Batch-64 beam search
 gained 1.0-1.4x on an AMD EPYC (1.8x in one run since the additive scorer runs under plain autocast there) and,
 since the changes of 2026-11-23 (this module's `decoding`, and the scorer's float32 under CPU autocast on Intel
 CPUs), 1.1-1.8x on an Intel Xeon; single-image decoding stays slower than float32
