@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
+from unittest.mock import patch
 
 import torch
 from common import SIZES, TextbookAdditiveAttention, machine, result, same_bundled_captions, samples, table, timed
@@ -101,15 +102,19 @@ def median_search(decoder, annotations: torch.Tensor, calls: int) -> float:
     return statistics.median(call_seconds(decoder, annotations, 3, "bf16-mixed", calls=calls))
 
 
-@contextlib.contextmanager
 def float32_scorer(flag: bool):
     """AdditiveAttention.float32_under_cpu_autocast set to `flag` inside the block."""
-    before = AdditiveAttention.float32_under_cpu_autocast
-    AdditiveAttention.float32_under_cpu_autocast = flag
-    try:
+    return patch.object(AdditiveAttention, "float32_under_cpu_autocast", flag)
+
+
+@contextlib.contextmanager
+def bf16_captioner(flag: bool, captioner):
+    """The captioner in bf16-mixed inside the block, its scorer in float32 (flag True) or under plain autocast."""
+    with float32_scorer(flag), patch.object(captioner, "precision", "bf16-mixed"):
         yield
-    finally:
-        AdditiveAttention.float32_under_cpu_autocast = before
+
+
+STEP_USES = {"train": "train, batch 64", "beam3_b1": "beam 3, batch 1", "beam3_b64": "beam 3, batch 64"}
 
 
 def bf16_step_table() -> tuple[list[dict], dict]:
@@ -121,10 +126,11 @@ def bf16_step_table() -> tuple[list[dict], dict]:
         batches = BATCHES[sizes]
         step = trainer(AttentionDecoder, sizes, "cpu", "bf16-mixed", batches)
         decoder = random_decoder(sizes)
-        inputs = {batch: torch.randn(batch, P, E) for batch in (1, 64)}
-        runs = {"train, batch 64": functools.partial(median_step, step, batches)}
-        for batch, a in inputs.items():
-            runs[f"beam 3, batch {batch}"] = functools.partial(median_search, decoder, a, calls=12 if batch == 1 else 3)
+        runs = {
+            "train": functools.partial(median_step, step, batches),
+            "beam3_b1": functools.partial(median_search, decoder, torch.randn(1, P, E), calls=12),
+            "beam3_b64": functools.partial(median_search, decoder, torch.randn(64, P, E), calls=3),
+        }
         for flag in settings:  # an untimed pass of each, so both settings start with their kernels built
             with float32_scorer(flag):
                 for run in runs.values():
@@ -136,34 +142,19 @@ def bf16_step_table() -> tuple[list[dict], dict]:
                     with float32_scorer(flag):
                         seconds[use, flag] = min(seconds[use, flag], run())
         for use in runs:
-            ratio = seconds[use, False] / seconds[use, True]
-            key = use.replace(", batch ", "_b").replace("beam 3", "beam3").replace("train_b64", "train")
-            figures[f"{sizes}_{key}"] = ratio
+            figures[f"{sizes}_{use}"] = ratio = seconds[use, False] / seconds[use, True]
             rows.append(
                 {
                     "sizes": sizes,
-                    "use": use,
+                    "use": STEP_USES[use],
                     "float32 scorer ms": f"{1e3 * seconds[use, True]:.1f}",
                     "plain autocast ms": f"{1e3 * seconds[use, False]:.1f}",
                     "float32 scorer over plain": f"{ratio:.2f}x",
                 }
             )
-
-    def bf16(flag: bool):
-        @contextlib.contextmanager
-        def setting(captioner):
-            with float32_scorer(flag):
-                captioner.precision = "bf16-mixed"
-                try:
-                    yield
-                finally:
-                    captioner.precision = "32-true"
-
-        return setting
-
     for flag, name in ((True, "float32"), (False, "plain")):
         figures[f"same_{name}"] = same_bundled_captions(
-            lambda _: contextlib.nullcontext(), bf16(flag), n=256, batch_size=64
+            lambda _: contextlib.nullcontext(), functools.partial(bf16_captioner, flag), n=256, batch_size=64
         )
     return rows, figures
 
