@@ -78,6 +78,24 @@ def test_the_training_benchmark_runs_mixed_precision_as_captioner_fit_does(bench
     assert len({tuple(sorted(batch.tolist())) for batch in lengths}) == BATCHES["shapes"]
 
 
+@pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    reason="this torch build has no oneDNN linear",
+)
+def test_onednn_py_trains_through_its_own_onednn_function_with_the_same_gradients(benchmarks):
+    """onednn.py's training table (not adopted in the library) times a step whose large products go through its own
+    autograd Function: the gradients must be the library's, and the Function must actually run."""
+    from unittest.mock import patch
+
+    import onednn as script
+
+    function = script.OneDNNLinearFunction
+    with patch.object(function, "apply", side_effect=function.apply) as apply:
+        difference = script.gradient_difference("shapes")
+    assert apply.call_count > 0  # the LSTM's input weight (1024 x 1408) is over the threshold at the shapes sizes
+    assert difference < 1e-5
+
+
 def test_the_training_benchmark_refuses_a_device_this_machine_lacks(benchmarks, capsys):
     from train_step import main, mixed_precisions
 
