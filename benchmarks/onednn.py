@@ -44,6 +44,7 @@ ROUNDS = 3
 ROWS = (1, 2, 3, 4, 5, 192)
 TRAIN_CALLS = 4  # timed training steps per setting and round
 TRAIN_MIN_WEIGHT = 2**20  # weights at least this large go through oneDNN in training
+_library_linear, _library_lstm_cell = onednn.linear, onednn.LSTMCell.forward  # before onednn_training patches them
 
 
 def matmul_rows(sizes: str) -> dict:
@@ -120,18 +121,14 @@ def training_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return _library_linear(x, weight, bias)
 
 
-_library_linear = onednn.linear
-
-
 def _training_lstm_cell(self, x, state=None):
+    """The library's LSTMCell, with its two products through `onednn.linear` (so, in the block below, through
+    training_linear) when autograd is on."""
     if not torch.is_grad_enabled() or state is None:
         return _library_lstm_cell(self, x, state)
     h, c = state
     gates = onednn.linear(x, self.weight_ih, self.bias_ih) + onednn.linear(h, self.weight_hh, self.bias_hh)
     return onednn.lstm_state(gates, c)
-
-
-_library_lstm_cell = onednn.LSTMCell.forward
 
 
 @contextlib.contextmanager
