@@ -6,7 +6,9 @@ Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
     z_t       = beta_t * sum_i alpha_ti a_i
     h_t, c_t  = LSTMCell([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
     logits_t  = L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer (eq. 7)
-`step` is `attend` (the first three lines) followed by `update` (the last two).
+`step` is `attend` (the first three lines) followed by `update`, which is `recur` (the LSTM) and then `output` (the
+deep output layer). The output layer does not feed the recurrence, so teacher forcing (`forward`) runs it once, on
+every word of every step together, instead of once per step.
 
 Linear and LSTMCell are torch's, except that their matmuls can go through oneDNN when decoding on a CPU (by default
 on AMD CPUs, where that was measured to be faster: onednn.py).
@@ -114,8 +116,9 @@ class AttentionDecoder(nn.Module):
         """One word: tokens y_{t-1} (N,), state (N,D)x2 -> logits (N,V), new state, alpha (N,P).
 
         N is B, or B*G in beam search (G hypotheses per image, adjacent), with annotations and keys (B,P,.).
-        Beam search calls `attend` and `update` separately in the steps where some hypotheses have ended, so a
-        subclass that changes the step should override those two, not this.
+        Beam search calls `attend` and `update` separately in the steps where some hypotheses have ended, and
+        teacher forcing calls `attend` and `recur` at each step and `output` once for all steps, so a subclass that
+        changes the step should override `attend`, `recur` or `output`, not this.
         """
         context, alpha = self.attend(state[0], annotations, keys)
         logits, state = self.update(tokens, context, state)
@@ -142,10 +145,20 @@ class AttentionDecoder(nn.Module):
 
         Each row depends on its own inputs only, so beam search runs it on just the hypotheses still being written.
         """
+        y, state = self.recur(tokens, context, state)
+        return self.output(y, state[0], context), state
+
+    def recur(
+        self, tokens: torch.Tensor, context: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The LSTM: tokens y_{t-1} (N,), z_t (N,E), state (N,D)x2 -> the embedded words E y_{t-1} (N,M) and the new
+        state (N,D)x2."""
         y = self.embedding(tokens)  # (N,M)
-        h, c = self.lstm(torch.cat([y, context], dim=1), state)  # (N,D)
-        logits = self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))  # (N,V)
-        return logits, (h, c)
+        return y, self.lstm(torch.cat([y, context], dim=1), state)
+
+    def output(self, y: torch.Tensor, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The deep output layer (eq. 7): E y_{t-1} (N,M), h_t (N,D), z_t (N,E) -> logits (N,V), for any N rows."""
+        return self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))
 
     def forward(
         self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
@@ -167,21 +180,30 @@ class AttentionDecoder(nn.Module):
         steps = steps[order]
         annotations = annotations[order]
         # prepare, then init_state: both use the position embedding, and autograd sums its gradient in the order of
-        # the uses, so this order keeps float32 training bit for bit what it was when init_state came second
+        # the uses, so swapping them would change float32 training's rounding
         memory, keys = self.prepare(annotations)
         h, c = self.init_state(annotations)
         annotations = memory
         inputs = captions[order]  # (B,T)
         T = int(steps[0])
-        logits = annotations.new_zeros(B, T, self.vocab_size)
-        alphas = annotations.new_zeros(B, T, P)
         running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t - 1)
+        rows = []  # each step's (E y_{t-1}, h_t, z_t, alpha_t), for the captions still going
         for t in range(T):
             bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
             if bt < h.size(0):  # shrink only when a caption ends: each slice costs a full-size zero-fill in backward
                 h, c, annotations, keys = h[:bt], c[:bt], annotations[:bt], keys[:bt]
-            step_logits, (h, c), alpha = self.step(inputs[:bt, t], (h, c), annotations, keys)
-            logits[:bt, t] = step_logits
-            alphas[:bt, t] = alpha
+            context, alpha = self.attend(h, annotations, keys)
+            y, (h, c) = self.recur(inputs[:bt, t], context, (h, c))
+            rows.append((y, h, context, alpha))
+        # The output layer, once for the real words of all steps: larger matmuls and fewer operations than one call
+        # per step, for the same function (its dropout draws all its masks at once, so a seeded run's random numbers
+        # differ from those of one call per step). Then each word goes to its (step, caption) place; padding stays 0.
+        y, h, context, alpha = (torch.cat(parts) for parts in zip(*rows, strict=True))  # (words,.), step by step
+        logits = self.output(y, h, context)  # (words,V)
+        real = torch.arange(T, device=steps.device).unsqueeze(1) < steps.unsqueeze(0)  # (T,B), in the loop's order
+        padded_logits = memory.new_zeros(T, B, self.vocab_size)
+        padded_logits[real] = logits.to(padded_logits.dtype)  # index_put needs one dtype (autocast may give another)
+        alphas = memory.new_zeros(T, B, P)
+        alphas[real] = alpha.to(alphas.dtype)
         inverse = order.argsort()
-        return logits[inverse], alphas[inverse]
+        return padded_logits.transpose(0, 1)[inverse], alphas.transpose(0, 1)[inverse]

@@ -44,6 +44,21 @@ def test_each_caption_is_decoded_as_if_alone():
         assert torch.allclose(alphas[i, : n - 1], alone_alphas[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("position_embedding", [False, True])
+def test_teacher_forcing_matches_stepping_word_by_word(position_embedding):
+    """forward runs the output layer once for all steps; `step`, one word at a time as decoding does, must agree."""
+    decoder = make_decoder(position_embedding=position_embedding)
+    a, captions, lengths = batch()
+    logits, alphas = decoder(a, captions, lengths)
+    for i, n in enumerate(lengths.tolist()):
+        memory, keys = decoder.prepare(a[i : i + 1])
+        state = decoder.init_state(a[i : i + 1])
+        for t in range(n - 1):
+            step_logits, state, alpha = decoder.step(captions[i, t : t + 1], state, memory, keys)
+            assert torch.allclose(logits[i, t], step_logits[0], atol=1e-5)
+            assert torch.allclose(alphas[i, t], alpha[0], atol=1e-6)
+
+
 def test_initial_state_comes_from_the_mean_annotation():
     decoder = make_decoder()
     a = torch.randn(B, P, E)
