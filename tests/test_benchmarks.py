@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.models.onednn import AVAILABLE as ONEDNN_AVAILABLE
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem != "common")
 
@@ -78,10 +80,7 @@ def test_the_training_benchmark_runs_mixed_precision_as_captioner_fit_does(bench
     assert len({tuple(sorted(batch.tolist())) for batch in lengths}) == BATCHES["shapes"]
 
 
-@pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
-    reason="this torch build has no oneDNN linear",
-)
+@pytest.mark.skipif(not ONEDNN_AVAILABLE, reason="this torch build has no oneDNN linear")
 def test_onednn_py_trains_through_its_own_onednn_function_with_the_same_gradients(benchmarks):
     """onednn.py's training table (not adopted in the library) times a step whose large products go through its own
     autograd Function: the gradients must be the library's, and the Function must actually run."""
