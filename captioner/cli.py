@@ -8,7 +8,8 @@ and demo.
     captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
-`error: ...` line on stderr and exit status 2, never a traceback.
+`error: ...` line on stderr and exit status 2, never a traceback. captioner's own warnings (bf16-mixed on a CPU that
+emulates bfloat16, say) are one `warning: ...` line each.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jsonargparse import ArgumentError
 
-from captioner.errors import CaptionerError, ConfigError
+from captioner.errors import CaptionerError, CaptionerWarning, ConfigError
 from captioner.precision import PRECISIONS, decoding
 from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 
@@ -229,8 +231,26 @@ def export_model(argv: list[str]) -> None:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+def _show_captioner_warnings_as_one_line() -> None:
+    """Print CaptionerWarnings as `warning: <message>`, without the file, line and source that Python adds; leave
+    every other warning to Python's own format. Does nothing if already set up (main may run more than once)."""
+    show = warnings.showwarning
+    if getattr(show, "captioner", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CaptionerWarning):
+            print(f"warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    showwarning.captioner = True
+    warnings.showwarning = showwarning
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _show_captioner_warnings_as_one_line()
     keep_freed_memory()  # see captioner.runtime; CAPTIONER_KEEP_FREED_MEMORY=0 turns it off
     keep_more_onednn_kernels()  # see captioner.runtime; ONEDNN_PRIMITIVE_CACHE_CAPACITY overrides it
     try:

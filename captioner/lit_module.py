@@ -10,7 +10,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.metrics import attention_correctness, bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
-from captioner.precision import cast_weights_once
+from captioner.precision import cast_weights_once, warn_if_bfloat16_is_slow
 from captioner.runtime import keep_more_onednn_kernels
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
@@ -128,6 +128,10 @@ class CaptioningModule(L.LightningModule):
         self._hypotheses: list[list[str]] = []
         self._references: list[list[list[str]]] = []
         self._attention: tuple[list[float], list[float]] = ([], [])  # masses in boxes, uniform baselines
+
+    def setup(self, stage: str) -> None:
+        if str(self.trainer.precision).startswith("bf16"):  # bf16-mixed, bf16-true: slow on some CPUs, say so
+            warn_if_bfloat16_is_slow(self.trainer.strategy.root_device, stacklevel=1)
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         captions = batch["captions"]  # (B,T)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from nltk.translate.bleu_score import corpus_bleu
 
 from captioner.data.shapes import SHAPES, SIZES
+from captioner.errors import CaptionerWarning
 
 Tokens = Sequence[str]
 
@@ -93,7 +94,7 @@ def coco_caption_scores(
     if meteor is None:
         meteor = java
     if meteor and not java:
-        warnings.warn("METEOR skipped: it needs Java, which is not installed", stacklevel=2)
+        warnings.warn("METEOR skipped: it needs Java, which is not installed", CaptionerWarning, stacklevel=2)
         meteor = False
     if set(hypotheses) != set(references):
         raise ValueError("hypotheses and references must cover the same image ids")

@@ -8,13 +8,17 @@
 and `captioner evaluate`. The weights stay float32; `decoding` lets autocast cast each one once per block, and
 `cast_weights_once` does the same inside Lightning's evaluation loops.
 
-On the 2-core CPUs these were measured on, which have native bfloat16 (AVX512-BF16; `lscpu | grep bf16`),
+On the 2-core CPUs with native bfloat16 (AVX512-BF16; `lscpu | grep bf16`) these were measured on,
 "bf16-mixed" made the encoder 1.3-2.4x as fast and changed 20-35 of 256 shapes test captions. Batch-64 beam search
 gained 1.0-1.4x on an AMD EPYC (1.8x in one run since the additive scorer runs under plain autocast there) and,
 since the changes of 2026-11-23 (this module's `decoding`, and the scorer's float32 under CPU autocast on Intel
 CPUs), 1.1-1.8x on an Intel Xeon; single-image decoding stays slower than float32
-(`benchmarks/precision.py`, docs/benchmarks.md). A CPU without native bfloat16 emulates it, and may be slower than
-float32. "16-mixed" is meant for GPUs: on a CPU it runs as "bf16-mixed", with a warning, as Lightning's Trainer does.
+(`benchmarks/precision.py`, docs/benchmarks.md). A CPU for which oneDNN has no bfloat16 kernels (on x86, one
+without AVX-512) emulates it, far slower than float32: on an AMD EPYC with AVX2 only, a shapes training step took
+12x as long and `captioner caption` on 512 images 9.5x (`benchmarks/train_step.py`, `benchmarks/caption_cli.py`).
+`resolve`, and so `autocast`, `decoding`, `Captioner` and `captioner caption`/`evaluate`, warns once when asked for
+bf16-mixed on such a CPU, and so does CaptioningModule when a Trainer runs it at a bfloat16 precision on a CPU.
+"16-mixed" is meant for GPUs: on a CPU it runs as "bf16-mixed", with a warning, as Lightning's Trainer does.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from captioner.errors import ConfigError
+from captioner.errors import CaptionerWarning, ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -38,11 +42,44 @@ def check_precision(precision: str) -> str:
 
 
 def resolve(precision: str, device: torch.device | str) -> str:
-    """The precision that runs on `device`: "16-mixed" becomes "bf16-mixed" on a CPU, as in Lightning's Trainer."""
+    """The precision that runs on `device`: "16-mixed" becomes "bf16-mixed" on a CPU, as in Lightning's Trainer.
+
+    Warns when that is "bf16-mixed" on a CPU without fast bfloat16 (`warn_if_bfloat16_is_slow`).
+    """
     if check_precision(precision) == "16-mixed" and torch.device(device).type == "cpu":
-        warnings.warn("16-mixed (float16 AMP) is not supported on CPU; using bf16-mixed instead", stacklevel=3)
-        return "bf16-mixed"
+        warnings.warn(
+            "16-mixed (float16 AMP) is not supported on CPU; using bf16-mixed instead", CaptionerWarning, stacklevel=3
+        )
+        precision = "bf16-mixed"
+    if precision == "bf16-mixed":
+        warn_if_bfloat16_is_slow(device, stacklevel=3)  # as the warning above
     return precision
+
+
+def cpu_has_fast_bfloat16() -> bool:
+    """Whether oneDNN, which runs torch's bfloat16 matmuls and convolutions on a CPU, has bfloat16 kernels for this
+    CPU (on x86 it needs AVX-512; AVX512-BF16 or AMX make them native). True when torch cannot tell."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return supported is None or bool(supported())
+    except RuntimeError:  # an op this build of torch declares but cannot run
+        return True
+
+
+SLOW_BFLOAT16 = (
+    "bf16-mixed emulates bfloat16 on this CPU (oneDNN has no bfloat16 kernels for it; x86 CPUs need AVX-512) and "
+    "may run 10x slower than 32-true or more"
+)
+
+
+def warn_if_bfloat16_is_slow(device: torch.device | str, stacklevel: int = 2) -> bool:
+    """Warn that bfloat16 is emulated when `device` is a CPU without fast bfloat16 (`cpu_has_fast_bfloat16`): once
+    per line the warning is attributed to, as Python's warnings do. `stacklevel` is `warnings.warn`'s, as if the
+    caller had called it. Returns whether it warned."""
+    if torch.device(device).type != "cpu" or cpu_has_fast_bfloat16():
+        return False
+    warnings.warn(SLOW_BFLOAT16, CaptionerWarning, stacklevel=stacklevel + 1)
+    return True
 
 
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import torch
 import yaml
 from PIL import Image
 
-from captioner.cli import main, run_lightning_cli
+from captioner import precision
+from captioner.cli import _show_captioner_warnings_as_one_line, main, run_lightning_cli
+from captioner.errors import CaptionerWarning
 from tests.conftest import cast_count, tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -96,6 +99,19 @@ def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path):
     assert result.stderr.strip() == f"error: {taken}: cannot write overlays there: File exists"
 
 
+def test_the_command_prints_captioners_warnings_as_one_line_and_others_as_python_does(capsys):
+    shown = []
+    with warnings.catch_warnings():  # restores warnings.showwarning when it ends
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, *args: shown.append((str(message), category))  # Python's
+        _show_captioner_warnings_as_one_line()
+        _show_captioner_warnings_as_one_line()  # as when main runs twice in a process: still one line per warning
+        warnings.warn("bf16-mixed is slow here", CaptionerWarning, stacklevel=1)
+        warnings.warn("someone else's", UserWarning, stacklevel=1)
+    assert capsys.readouterr().err == "warning: bf16-mixed is slow here\n"
+    assert shown == [("someone else's", UserWarning)]  # left to the format that was in place
+
+
 def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
     bogus = tmp_path / "bogus.ckpt"
     bogus.write_bytes(b"not a checkpoint")
@@ -123,12 +139,14 @@ def test_predict_writes_captions_as_json_lines(tmp_path):
     assert all(r["caption"].strip() and r["score"] < 0 for r in records)
 
 
-def test_mixed_precision_fit_runs_through_lightnings_precision_setting(tmp_path):
+def test_mixed_precision_fit_runs_through_lightnings_precision_setting(tmp_path, monkeypatch):
     """`trainer.precision` is Lightning's: bf16-mixed autocasts on a CPU (16-mixed is the GPU setting in
-    configs/coco_resnet101.yaml), and the losses stay finite."""
-    cli = run_lightning_cli(
-        ["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true", "--trainer.precision=bf16-mixed")]
-    )
+    configs/coco_resnet101.yaml), and the losses stay finite. On a CPU without fast bfloat16 the module warns."""
+    monkeypatch.setattr(precision, "cpu_has_fast_bfloat16", lambda: False)
+    with pytest.warns(UserWarning, match="^bf16-mixed emulates bfloat16 on this CPU"):
+        cli = run_lightning_cli(
+            ["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true", "--trainer.precision=bf16-mixed")]
+        )
     assert cli.trainer.precision == "bf16-mixed"
     metrics = cli.trainer.callback_metrics
     assert "train/loss" in metrics and torch.isfinite(metrics["train/loss"])

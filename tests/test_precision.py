@@ -1,13 +1,18 @@
+import types
+import warnings
+
 import lightning as L
 import pytest
 import torch
 
+from captioner import precision as precision_module
 from captioner.errors import ConfigError
-from captioner.precision import PRECISIONS, autocast, cast_weights_once, decoding, resolve
+from captioner.precision import PRECISIONS, autocast, cast_weights_once, cpu_has_fast_bfloat16, decoding, resolve
 from tests.conftest import cast_count
 
 
 @pytest.mark.filterwarnings("ignore:.*not supported on CPU")  # 16-mixed: both warn, as tested below
+@pytest.mark.filterwarnings("ignore:bf16-mixed emulates bfloat16")  # on CPUs without it; tested below
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_each_precision_runs_on_cpu_as_lightnings_trainer_runs_it(precision):
     trainer = L.Trainer(precision=precision, accelerator="cpu", logger=False, enable_checkpointing=False)
@@ -63,3 +68,34 @@ def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_elsewhere():
     with autocast("bf16-mixed", "cpu"), cast_weights_once("cpu"):  # autograd on (training): nothing changes
         assert torch.is_grad_enabled()
         assert layer(x).requires_grad
+
+
+def test_bf16_mixed_warns_once_per_call_site_on_a_cpu_without_fast_bfloat16(monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_has_fast_bfloat16", lambda: False)
+    with pytest.warns(UserWarning, match=r"^bf16-mixed emulates bfloat16 on this CPU .* 10x slower") as caught:
+        assert resolve("bf16-mixed", "cpu") == "bf16-mixed"
+    with pytest.warns(UserWarning, match="^bf16-mixed emulates") as caught, autocast("bf16-mixed", "cpu"):
+        pass
+    assert len(caught) == 1 and caught[0].filename == __file__  # attributed to autocast's caller, not to captioner
+    with pytest.warns(UserWarning) as caught, decoding("16-mixed", "cpu"):  # runs as bf16-mixed: both warnings
+        pass
+    assert sorted(str(w.message)[:10] for w in caught) == ["16-mixed (", "bf16-mixed"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for precision, device in (("32-true", "cpu"), ("bf16-mixed", "cuda"), ("16-mixed", "cuda")):
+            assert resolve(precision, device) == precision
+        monkeypatch.setattr(precision_module, "cpu_has_fast_bfloat16", lambda: True)
+        with decoding("bf16-mixed", "cpu"):
+            assert torch.is_autocast_enabled("cpu")
+
+
+def test_cpu_has_fast_bfloat16_asks_onednn_and_assumes_yes_when_torch_cannot_tell(monkeypatch):
+    assert cpu_has_fast_bfloat16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the check
+    assert cpu_has_fast_bfloat16() is True
+
+    def unusable():
+        raise RuntimeError("not built with oneDNN")
+
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(_is_mkldnn_bf16_supported=unusable))
+    assert cpu_has_fast_bfloat16() is True

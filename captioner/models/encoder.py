@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from captioner.errors import ConfigError, WeightsUnavailableError
+from captioner.errors import CaptionerWarning, ConfigError, WeightsUnavailableError
 
 STRIDE = 32  # every registered backbone downsamples its input 32 times
 
@@ -383,6 +383,7 @@ class Encoder(nn.Module):
             warnings.warn(
                 f"{self.name}: folding BatchNorm into the convolutions changed the features (relative error "
                 f"{error:.1e}); running the backbone unfolded",
+                CaptionerWarning,
                 stacklevel=3,
             )
             return None

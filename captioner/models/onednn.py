@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.errors import CaptionerWarning
 from captioner.runtime import is_amd_cpu
 
 _linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -50,7 +51,11 @@ def default_enabled(setting: str | None = None, vendor: str | None = None, mkl: 
     "auto" means on an AMD CPU with an MKL build of torch (see the module docstring)."""
     setting = os.environ.get("CAPTIONER_ONEDNN", "auto") if setting is None else setting
     if setting not in SETTINGS:
-        warnings.warn(f"CAPTIONER_ONEDNN={setting!r} is not one of {', '.join(SETTINGS)}; using auto", stacklevel=2)
+        warnings.warn(
+            f"CAPTIONER_ONEDNN={setting!r} is not one of {', '.join(SETTINGS)}; using auto",
+            CaptionerWarning,
+            stacklevel=2,
+        )
         setting = "auto"
     if setting != "auto":
         return setting == "1"
