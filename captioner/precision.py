@@ -24,6 +24,7 @@ bf16-mixed on such a CPU, and so does CaptioningModule when a Trainer runs it at
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -56,6 +57,7 @@ def resolve(precision: str, device: torch.device | str) -> str:
     return precision
 
 
+@functools.cache  # a fact of the CPU: asked once per process, not at every decoding batch
 def cpu_has_fast_bfloat16() -> bool:
     """Whether oneDNN, which runs torch's bfloat16 matmuls and convolutions on a CPU, has bfloat16 kernels for this
     CPU (on x86 it needs AVX-512; AVX512-BF16 or AMX make them native). True when torch cannot tell."""

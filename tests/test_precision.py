@@ -70,9 +70,9 @@ def test_cast_weights_once_in_lightnings_eval_loops_and_nothing_elsewhere():
         assert layer(x).requires_grad
 
 
-def test_bf16_mixed_warns_once_per_call_site_on_a_cpu_without_fast_bfloat16(monkeypatch):
+def test_bf16_mixed_warns_on_a_cpu_without_fast_bfloat16_and_names_the_callers_line(monkeypatch):
     monkeypatch.setattr(precision_module, "cpu_has_fast_bfloat16", lambda: False)
-    with pytest.warns(UserWarning, match=r"^bf16-mixed emulates bfloat16 on this CPU .* 10x slower") as caught:
+    with pytest.warns(UserWarning, match=r"^bf16-mixed emulates bfloat16 on this CPU .* 10x slower"):
         assert resolve("bf16-mixed", "cpu") == "bf16-mixed"
     with pytest.warns(UserWarning, match="^bf16-mixed emulates") as caught, autocast("bf16-mixed", "cpu"):
         pass
@@ -91,11 +91,15 @@ def test_bf16_mixed_warns_once_per_call_site_on_a_cpu_without_fast_bfloat16(monk
 
 def test_cpu_has_fast_bfloat16_asks_onednn_and_assumes_yes_when_torch_cannot_tell(monkeypatch):
     assert cpu_has_fast_bfloat16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the check
-    assert cpu_has_fast_bfloat16() is True
 
     def unusable():
         raise RuntimeError("not built with oneDNN")
 
-    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace(_is_mkldnn_bf16_supported=unusable))
-    assert cpu_has_fast_bfloat16() is True
+    try:  # the answer is cached per process: clear it for each torch below, and after them
+        for mkldnn in (types.SimpleNamespace(), types.SimpleNamespace(_is_mkldnn_bf16_supported=unusable)):
+            monkeypatch.setattr(torch.ops, "mkldnn", mkldnn)  # a torch without the check; one whose check fails
+            cpu_has_fast_bfloat16.cache_clear()
+            assert cpu_has_fast_bfloat16() is True
+    finally:
+        monkeypatch.undo()
+        cpu_has_fast_bfloat16.cache_clear()
