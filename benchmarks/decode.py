@@ -22,12 +22,19 @@ share of a batch-64 step.
 A fourth table counts the matmul work of one beam-3 call (torch.utils.flop_counter) and compares its time with the
 rate this machine reaches on one large matmul: how far each batch size is from being bound by arithmetic alone.
 
+A fifth table shows what `torch.inference_mode` (how the library decodes in float32) gives: greedy and beam 3 at
+batch 1 and 64, shapes sizes, under inference mode, under `torch.no_grad`, and with autograd on (a model in eval()
+mode called without either, as a script that forgets them does: every step's graph is built and kept until the
+search returns). The decoder's matmuls run through torch's own kernels in every row (oneDNN off, which with autograd
+on is the library's path anyway), so that only gradient tracking differs; the modes take turns, 12 calls each.
+
 The first table also counts the page faults per call (the untimed first call of each round included): memory that
 glibc's malloc gave back to the kernel and took again, which costs a fault and a zero-fill per 4 KiB page.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -174,6 +181,53 @@ def matmul_work_rows(figures: dict, peak_gflops: float) -> list[dict]:
     return rows
 
 
+GRAD_MODES = {
+    "inference_mode (the library)": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "autograd on": contextlib.nullcontext,
+}
+
+
+INFERENCE = next(iter(GRAD_MODES))
+
+
+def grad_mode_rows() -> tuple[list[dict], dict]:
+    """Images/s of greedy and beam-3 search at batch 1 and 64 (shapes sizes) in each gradient mode, fastest and
+    median call; the modes take turns over ROUNDS rounds. The decoder's matmuls go through torch's own kernels in
+    every mode (oneDNN needs autograd off), so that only gradient tracking differs."""
+    P, E = SIZES["shapes"][:2]
+    decoder = random_decoder("shapes")
+    rows, figures = [], {}
+    for beam in (1, 3):
+        for batch in (1, 64):
+            annotations = torch.randn(batch, P, E)
+
+            def run(beam=beam, annotations=annotations):
+                if beam == 1:
+                    return greedy_search(decoder, annotations, max_len=MAX_LEN, **SPECIAL)
+                return beam_search(decoder, annotations, beam_size=beam, max_len=MAX_LEN, **SPECIAL)
+
+            times = {mode: [] for mode in GRAD_MODES}
+            with onednn.use(False):
+                for _ in range(ROUNDS):
+                    for mode, context in GRAD_MODES.items():
+                        with context():
+                            times[mode] += samples(run, repeats=CALLS)
+            for mode in GRAD_MODES:
+                figures[(beam, batch, mode)] = batch / min(times[mode])
+                rows.append(
+                    {
+                        "search": "greedy" if beam == 1 else f"beam {beam}",
+                        "batch": batch,
+                        "gradient tracking": mode,
+                        "images/s, fastest call": f"{batch / min(times[mode]):.1f}",
+                        "images/s, median call": f"{batch / statistics.median(times[mode]):.1f}",
+                        "over autograd on": f"{min(times['autograd on']) / min(times[mode]):.2f}x",
+                    }
+                )
+    return rows, figures
+
+
 def main() -> None:
     rows, figures = [], {}
     for sizes in ("shapes", "paper"):
@@ -213,6 +267,9 @@ def main() -> None:
     print(f"\nMatmul work of one beam-3 call; this machine's rate on a 2048^3 matmul: {peak:.0f} GFLOP/s\n")
     work = matmul_work_rows(figures, peak)
     print(table(work))
+    print("\nGradient tracking, shapes sizes, decoder matmuls through torch's own kernels in every row:\n")
+    grad_rows, grad = grad_mode_rows()
+    print(table(grad_rows))
     # If batch 64 ran at the large-matmul rate with everything else free, its gain over batch 1 would be:
     ceiling = 64 * float(work[0]["ms measured (fastest)"]) / float(work[1]["ms at the large-matmul rate"])
 
@@ -234,6 +291,10 @@ def main() -> None:
             large_matmul_gflops=f"{peak:.0f}",
             shapes_beam3_b64_share_of_matmul_rate=work[1]["share of the large-matmul rate"],
             shapes_beam3_b64_over_b1_ceiling=f"{ceiling:.1f}",
+            beam3_b64_inference_over_no_grad=f"{grad[(3, 64, INFERENCE)] / grad[(3, 64, 'no_grad')]:.2f}",
+            beam3_b64_inference_over_autograd=f"{grad[(3, 64, INFERENCE)] / grad[(3, 64, 'autograd on')]:.2f}",
+            beam3_b1_inference_over_no_grad=f"{grad[(3, 1, INFERENCE)] / grad[(3, 1, 'no_grad')]:.2f}",
+            beam3_b1_inference_over_autograd=f"{grad[(3, 1, INFERENCE)] / grad[(3, 1, 'autograd on')]:.2f}",
         )
     )
 

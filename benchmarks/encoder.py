@@ -11,11 +11,19 @@ folded into the convolution before it (captioner.models.encoder.batchnorm_folded
 (`Encoder.fold_batchnorm = False`), taking turns over three rounds, fastest call: efficientnet_lite0 (batch 32) and
 resnet50 (random weights, batch 16), with the memory the folded copy takes. Then the bundled shapes model captions
 256 test images (beam 3) both ways: how many captions are identical.
+
+A third table shows what persistent workers (the library's DataLoaders keep theirs: `persistent_workers=True`
+whenever `num_workers > 0`) save: three epochs of the same JPEG loader alone (no encoder), 2 workers, with and
+without persistent workers, under each process start method: "fork" (Linux's default) and "spawn" (macOS's and
+Windows' only one, where each new worker starts a Python interpreter and imports torch and captioner again).
+Without persistent workers every epoch starts its workers anew; with them only the first does.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from unittest.mock import patch
 
@@ -40,6 +48,44 @@ class JpegFolder(Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.transform(load_image(self.paths[index]))
+
+
+EPOCHS = 3
+
+
+def worker_rows(dataset: Dataset) -> tuple[list[dict], dict]:
+    """Per start method and persistent setting: the first epoch, the later ones, and how long a later epoch waits for
+    its first batch, over EPOCHS epochs of the loader alone (2 workers)."""
+    rows, figures = [], {}
+    for method in ("fork", "spawn"):
+        for persistent in (True, False):
+            loader = DataLoader(
+                dataset,
+                batch_size=BATCH,
+                num_workers=2,
+                persistent_workers=persistent,
+                multiprocessing_context=method,
+            )
+            epochs, first_batches = [], []
+            for _ in range(EPOCHS):
+                start = time.perf_counter()
+                for i, _images in enumerate(loader):
+                    if i == 0:
+                        first_batches.append(time.perf_counter() - start)
+                epochs.append(time.perf_counter() - start)
+            del loader  # ends persistent workers before the next setting starts its own
+            later = statistics.mean(epochs[1:])
+            figures[(method, persistent)] = later
+            rows.append(
+                {
+                    "start method": method,
+                    "persistent workers": "yes (the library)" if persistent else "no",
+                    "first epoch s": f"{epochs[0]:.2f}",
+                    "later epochs s (mean)": f"{later:.2f}",
+                    "first batch of a later epoch s (mean)": f"{statistics.mean(first_batches[1:]):.2f}",
+                }
+            )
+    return rows, figures
 
 
 def folding_rows() -> tuple[list[dict], dict[str, float]]:
@@ -108,9 +154,12 @@ def main() -> None:
                     "images/s": f"{figures[workers]:.1f}",
                 }
             )
+        workers, kept = worker_rows(dataset)
     best = max(figures[w] for w in (0, 1, 2))
     print(f"batch {BATCH}, 224x224, efficientnet_lite0, channels_last; {machine()}\n")
     print(table(rows))
+    print(f"\n{EPOCHS} epochs of the loader alone (no encoder), 2 workers, with and without persistent workers:\n")
+    print(table(workers))
     folding, speedups = folding_rows()
     print("\nThe raw forward with each BatchNorm folded into its convolution (the library's default) and unfolded:\n")
     print(table(folding))
@@ -128,6 +177,8 @@ def main() -> None:
             lite0_fold_speedup=f"{speedups['efficientnet_lite0']:.2f}",
             resnet50_fold_speedup=f"{speedups['resnet50']:.2f}",
             fold_same_captions=same,
+            fork_persistent_epoch_speedup=f"{kept[('fork', False)] / kept[('fork', True)]:.2f}",
+            spawn_persistent_epoch_speedup=f"{kept[('spawn', False)] / kept[('spawn', True)]:.2f}",
         )
     )
 

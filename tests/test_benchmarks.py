@@ -63,6 +63,30 @@ def test_the_decode_benchmark_searches_in_the_library_s_context(benchmarks):
         assert torch.equal(out.tokens, reference.tokens)
 
 
+def test_the_gradient_modes_of_decode_py_decode_the_same_captions(benchmarks):
+    """decode.py's gradient-tracking table compares the same work: each mode's search gives the same tokens, and only
+    "autograd on" builds a graph."""
+    from decode import GRAD_MODES, MAX_LEN, SPECIAL, random_decoder
+
+    from captioner.decoding import beam_search
+    from captioner.models import onednn
+
+    decoder = random_decoder("shapes")
+    annotations = torch.randn(2, 49, 1280)
+    outputs = {}
+    with onednn.use(False):
+        for mode, context in GRAD_MODES.items():
+            with context():
+                outputs[mode] = beam_search(decoder, annotations, beam_size=3, max_len=MAX_LEN, **SPECIAL)
+    reference = outputs.pop("inference_mode (the library)")
+    assert reference.scores.is_inference()
+    for mode, out in outputs.items():
+        assert torch.equal(out.tokens, reference.tokens), mode
+        torch.testing.assert_close(out.scores, reference.scores)
+    assert outputs["autograd on"].scores.requires_grad
+    assert not outputs["no_grad"].scores.requires_grad
+
+
 def test_the_training_benchmark_runs_mixed_precision_as_captioner_fit_does(benchmarks):
     """train_step.py's bf16-mixed step runs under the autocast of Lightning's own precision plugin, as `captioner fit`
     does: its cast cache is off, so the LSTM's weight is cast at every word (and its gradient cast back). Its batches
