@@ -8,7 +8,7 @@ size gets the same number of timed calls, over three rounds in which the batch s
 spell of the shared machine hits them all. The table gives the fastest call (noise only ever slows a call down) and
 the median call (what a run typically gets). The same number of calls matters for the fastest one: the fastest of
 many noisy calls is faster than the fastest of a few, and an earlier version, which timed 32 images per round (96
-calls at batch 1 against 6 at batch 64), favoured batch 1 (docs/benchmarks.md, Decoding).
+calls at batch 1 against 6 at batch 64), favoured batch 1 (docs/benchmarks-earlier.md, Decoding).
 
 A second table uses the bundled shapes model on 64 test images, where captions end at different steps: it counts
 the rows the decoder's LSTM and output layer ran against the rows of a fixed-shape search (every hypothesis of every

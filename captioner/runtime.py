@@ -61,10 +61,10 @@ def keep_more_onednn_kernels(capacity: int = ONEDNN_KERNELS) -> bool:
     forward and backward: more shapes than the 1024 kernels oneDNN keeps by default, so it kept rebuilding them
     (tests/test_runtime.py shows it on 1,100 shapes). On an Intel Xeon, `captioner fit --config configs/shapes.yaml
     --trainer.precision=bf16-mixed` took 318-341 s with this and 552 s without, with the same results, and peak
-    memory within its run-to-run variation (docs/benchmarks.md, Training step). oneDNN reads the variable when it
-    first needs its cache, so this must run before oneDNN builds its first kernel in the process. The `captioner`
-    command calls it at start-up, and CaptioningModule and Captioner when they are made: training with one's own
-    Lightning Trainer and captioning from Python get the same room.
+    memory within its run-to-run variation (docs/benchmarks-earlier.md, Training step). oneDNN reads the variable
+    when it first needs its cache, so this must run before oneDNN builds its first kernel in the process. The
+    `captioner` command calls it at start-up, and CaptioningModule and Captioner when they are made: training with
+    one's own Lightning Trainer and captioning from Python get the same room.
     """
     if "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ:
         return False
