@@ -12,10 +12,11 @@ folded into the convolution before it (captioner.models.encoder.batchnorm_folded
 resnet50 (random weights, batch 16), with the memory the folded copy takes. Then the bundled shapes model captions
 256 test images (beam 3) both ways: how many captions are identical.
 
-A third table shows what persistent workers (the library's DataLoaders keep theirs: `persistent_workers=True`
-whenever `num_workers > 0`) save: three epochs of the same JPEG loader alone (no encoder), 2 workers, with and
-without persistent workers, under each process start method: "fork" (Linux's default) and "spawn" (macOS's and
-Windows' only one, where each new worker starts a Python interpreter and imports torch and captioner again).
+A table printed between those two shows what persistent workers (the library's DataLoaders keep theirs:
+`persistent_workers=True` whenever `num_workers > 0`) save: three epochs of the same JPEG loader alone (no encoder),
+2 workers, with and without persistent workers, under each process start method: "fork" (Linux's default) and
+"spawn" (macOS's and Windows' only one, where each new worker starts a Python interpreter and imports torch and
+captioner again).
 Without persistent workers every epoch starts its workers anew; with them only the first does.
 """
 
