@@ -181,14 +181,8 @@ def matmul_work_rows(figures: dict, peak_gflops: float) -> list[dict]:
     return rows
 
 
-GRAD_MODES = {
-    "inference_mode (the library)": torch.inference_mode,
-    "no_grad": torch.no_grad,
-    "autograd on": contextlib.nullcontext,
-}
-
-
-INFERENCE = next(iter(GRAD_MODES))
+INFERENCE = "inference_mode (the library)"
+GRAD_MODES = {INFERENCE: torch.inference_mode, "no_grad": torch.no_grad, "autograd on": contextlib.nullcontext}
 
 
 def grad_mode_rows() -> tuple[list[dict], dict]:

@@ -74,14 +74,12 @@ SLOW_BFLOAT16 = (
 )
 
 
-def warn_if_bfloat16_is_slow(device: torch.device | str, stacklevel: int = 2) -> bool:
+def warn_if_bfloat16_is_slow(device: torch.device | str, stacklevel: int = 2) -> None:
     """Warn that bfloat16 is emulated when `device` is a CPU without fast bfloat16 (`cpu_has_fast_bfloat16`): once
     per line the warning is attributed to, as Python's warnings do. `stacklevel` is `warnings.warn`'s, as if the
-    caller had called it. Returns whether it warned."""
-    if torch.device(device).type != "cpu" or cpu_has_fast_bfloat16():
-        return False
-    warnings.warn(SLOW_BFLOAT16, CaptionerWarning, stacklevel=stacklevel + 1)
-    return True
+    caller had called it."""
+    if torch.device(device).type == "cpu" and not cpu_has_fast_bfloat16():
+        warnings.warn(SLOW_BFLOAT16, CaptionerWarning, stacklevel=stacklevel + 1)
 
 
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:

@@ -66,7 +66,7 @@ def test_the_decode_benchmark_searches_in_the_library_s_context(benchmarks):
 def test_the_gradient_modes_of_decode_py_decode_the_same_captions(benchmarks):
     """decode.py's gradient-tracking table compares the same work: each mode's search gives the same tokens, and only
     "autograd on" builds a graph."""
-    from decode import GRAD_MODES, MAX_LEN, SPECIAL, random_decoder
+    from decode import GRAD_MODES, INFERENCE, MAX_LEN, SPECIAL, random_decoder
 
     from captioner.decoding import beam_search
     from captioner.models import onednn
@@ -78,7 +78,7 @@ def test_the_gradient_modes_of_decode_py_decode_the_same_captions(benchmarks):
         for mode, context in GRAD_MODES.items():
             with context():
                 outputs[mode] = beam_search(decoder, annotations, beam_size=3, max_len=MAX_LEN, **SPECIAL)
-    reference = outputs.pop("inference_mode (the library)")
+    reference = outputs.pop(INFERENCE)
     assert reference.scores.is_inference()
     for mode, out in outputs.items():
         assert torch.equal(out.tokens, reference.tokens), mode
