@@ -18,6 +18,9 @@ over its cycle of batches) and beam-3 searches (decode.py's, at batch 1 and 64) 
 plain autocast, the two settings taking turns over ROUNDS rounds; each figure is the fastest round's median. It also
 counts how many of the bundled shapes model's beam-3 captions of 256 test images are the same as float32's under
 each setting. Its RESULT keys start with bf16_step_ and bf16_same_captions_.
+
+On a CPU without native bfloat16 the second and third tables are left out unless BENCH_BF16=1
+(common.bf16_timed_on_cpu): there they time oneDNN's emulation of bfloat16, and took most of this script's time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,18 @@ import statistics
 from unittest.mock import patch
 
 import torch
-from common import SIZES, TextbookAdditiveAttention, machine, result, same_bundled_captions, samples, table, timed
+from common import (
+    SIZES,
+    TextbookAdditiveAttention,
+    bf16_skipped,
+    bf16_timed_on_cpu,
+    machine,
+    result,
+    same_bundled_captions,
+    samples,
+    table,
+    timed,
+)
 from decode import call_seconds, random_decoder
 from train_step import BATCHES, trainer
 
@@ -38,6 +52,7 @@ from captioner.runtime import cpu_vendor, keep_freed_memory, keep_more_onednn_ke
 
 BATCH = 64
 ROUNDS = 3
+RESULT_USES = (("decode, beam 3", "decode"), ("train", "train"))  # the tables' uses and their RESULT names
 
 
 def milliseconds(attention, keys, h, train: bool, bf16: bool = False) -> float:
@@ -195,6 +210,28 @@ def main() -> None:
     vendor = cpu_vendor() or "unknown"
     print(f"one scoring call, batch {BATCH}; {machine()}; vendor {vendor}, default form {AdditiveAttention.form}\n")
     print(table(rows))
+    values = {
+        "default_form": AdditiveAttention.form,
+        **{
+            f"{sizes}_{short}_speedup": f"{figures[sizes, mode][0]:.1f}"
+            for sizes in ("shapes", "paper")
+            for mode, short in RESULT_USES
+        },
+        **{
+            f"{sizes}_{short}_tanh_over_sigmoid": f"{figures[sizes, mode][1]:.2f}"
+            for sizes in ("shapes", "paper")
+            for mode, short in RESULT_USES
+        },
+    }
+    if bf16_timed_on_cpu():
+        values.update(bf16_tables())
+    else:
+        print(f"\n{bf16_skipped()}")
+    print(result(**values))
+
+
+def bf16_tables() -> dict[str, str]:
+    """Print the second and third tables; their RESULT figures."""
     bf16_rows, bf16 = bf16_table()
     print("\nthe same under CPU autocast to bfloat16 (bf16-mixed)\n")
     print(table(bf16_rows))
@@ -206,29 +243,20 @@ def main() -> None:
         f"{steps['same_plain']} with plain autocast\n"
     )
     print(table(step_rows))
-    step_figures = {
-        f"bf16_step_{key}_float32_speedup": f"{value:.2f}" for key, value in steps.items() if not key.startswith("same")
+    return {
+        **{
+            f"bf16_{sizes}_{short}_float32_speedup": f"{bf16[sizes, mode][0]:.2f}"
+            for sizes in ("shapes", "paper")
+            for mode, short in RESULT_USES
+        },
+        **{
+            f"bf16_step_{key}_float32_speedup": f"{value:.2f}"
+            for key, value in steps.items()
+            if not key.startswith("same")
+        },
+        "bf16_same_captions_float32": steps["same_float32"],
+        "bf16_same_captions_plain": steps["same_plain"],
     }
-    print(
-        result(
-            default_form=AdditiveAttention.form,
-            shapes_decode_speedup=f"{figures['shapes', 'decode, beam 3'][0]:.1f}",
-            shapes_train_speedup=f"{figures['shapes', 'train'][0]:.1f}",
-            paper_decode_speedup=f"{figures['paper', 'decode, beam 3'][0]:.1f}",
-            paper_train_speedup=f"{figures['paper', 'train'][0]:.1f}",
-            shapes_decode_tanh_over_sigmoid=f"{figures['shapes', 'decode, beam 3'][1]:.2f}",
-            shapes_train_tanh_over_sigmoid=f"{figures['shapes', 'train'][1]:.2f}",
-            paper_decode_tanh_over_sigmoid=f"{figures['paper', 'decode, beam 3'][1]:.2f}",
-            paper_train_tanh_over_sigmoid=f"{figures['paper', 'train'][1]:.2f}",
-            bf16_shapes_decode_float32_speedup=f"{bf16['shapes', 'decode, beam 3'][0]:.2f}",
-            bf16_shapes_train_float32_speedup=f"{bf16['shapes', 'train'][0]:.2f}",
-            bf16_paper_decode_float32_speedup=f"{bf16['paper', 'decode, beam 3'][0]:.2f}",
-            bf16_paper_train_float32_speedup=f"{bf16['paper', 'train'][0]:.2f}",
-            **step_figures,
-            bf16_same_captions_float32=steps["same_float32"],
-            bf16_same_captions_plain=steps["same_plain"],
-        )
-    )
 
 
 if __name__ == "__main__":

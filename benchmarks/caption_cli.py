@@ -4,7 +4,8 @@
 
 The images are drawn shapes images saved as JPEG in a temporary folder; the command runs with the bundled model,
 beam 3, batch 16. Peak memory is the maximum resident set size of the command's process (from wait4). The 512
-images are captioned a second time with `--precision bf16-mixed` (see benchmarks/precision.py).
+images are captioned a second time with `--precision bf16-mixed` (see benchmarks/precision.py), on a CPU without native
+bfloat16 only with BENCH_BF16=1 (common.bf16_timed_on_cpu).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, result, table
+from common import bf16_skipped, bf16_timed_on_cpu, machine, result, table
 
 from captioner.data.shapes import ShapesDataset
 
@@ -36,9 +37,12 @@ def run(folder: Path, precision: str = "32-true") -> tuple[float, float]:
 
 def main() -> None:
     shapes = ShapesDataset("test", 512, seed=2)
+    runs = [(32, "32-true"), (512, "32-true")]
+    if bf16_timed_on_cpu():
+        runs.append((512, "bf16-mixed"))
     rows, figures = [], {}
     with tempfile.TemporaryDirectory() as root:
-        for count, precision in ((32, "32-true"), (512, "32-true"), (512, "bf16-mixed")):
+        for count, precision in runs:
             folder = Path(root) / str(count)
             if not folder.exists():
                 folder.mkdir()
@@ -57,18 +61,20 @@ def main() -> None:
             )
     print(f"bundled shapes model, beam 3, batch 16; {machine()}\n")
     print(table(rows))
-    small, large, bf16 = figures[32, "32-true"], figures[512, "32-true"], figures[512, "bf16-mixed"]
-    print(
-        result(
-            wall_32_s=f"{small[0]:.1f}",
-            wall_512_s=f"{large[0]:.1f}",
-            peak_32_mib=f"{small[1]:.0f}",
-            peak_512_mib=f"{large[1]:.0f}",
-            peak_growth=f"{large[1] / small[1] - 1:.1%}",
-            wall_512_bf16_s=f"{bf16[0]:.1f}",
-            bf16_speedup_512=f"{large[0] / bf16[0]:.2f}",
-        )
-    )
+    small, large = figures[32, "32-true"], figures[512, "32-true"]
+    values = {
+        "wall_32_s": f"{small[0]:.1f}",
+        "wall_512_s": f"{large[0]:.1f}",
+        "peak_32_mib": f"{small[1]:.0f}",
+        "peak_512_mib": f"{large[1]:.0f}",
+        "peak_growth": f"{large[1] / small[1] - 1:.1%}",
+    }
+    if (512, "bf16-mixed") in figures:
+        bf16 = figures[512, "bf16-mixed"]
+        values.update(wall_512_bf16_s=f"{bf16[0]:.1f}", bf16_speedup_512=f"{large[0] / bf16[0]:.2f}")
+    else:
+        print(f"\n{bf16_skipped()}")
+    print(result(**values))
 
 
 if __name__ == "__main__":

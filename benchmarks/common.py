@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import resource
 import statistics
@@ -14,6 +15,7 @@ import torch
 from captioner.api import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.models.attention import AdditiveAttention
+from captioner.precision import cpu_has_fast_bfloat16
 from captioner.runtime import cpu_info
 
 # name -> (P, E, D, A, M, V): grid positions, encoder channels, LSTM, attention, embedding and vocabulary sizes.
@@ -21,6 +23,30 @@ SIZES = {
     "shapes": (49, 1280, 256, 256, 128, 32),  # configs/shapes.yaml: lite0 7x7, its decoder sizes, its vocabulary
     "paper": (196, 2048, 512, 512, 512, 10000),  # ResNet 14x14 grid, the paper's decoder and vocabulary sizes
 }
+
+
+BF16_SWITCH = "BENCH_BF16"
+
+
+def bf16_timed_on_cpu() -> bool:
+    """Whether the scripts time bf16-mixed on the CPU. BENCH_BF16=1: always; BENCH_BF16=0: never; unset or "auto":
+    only where oneDNN has bfloat16 kernels for the CPU (`captioner.precision.cpu_has_fast_bfloat16`).
+
+    Elsewhere bfloat16 is emulated and captioner warns before running it: in the `make bench` of docs/benchmarks.md
+    (a Zen 3) it made captioning 0.06-0.31x as fast as float32 and training 0.05-0.10x, and timing it took about half
+    of the run's 90 minutes, all of it measuring the emulation. A GPU's mixed precisions are timed whatever the switch
+    says.
+    """
+    value = os.environ.get(BF16_SWITCH, "auto").strip().lower()
+    if value not in ("0", "1", "auto"):
+        raise SystemExit(f"{BF16_SWITCH}={value!r}: use 1 (always), 0 (never) or auto (only with native bfloat16)")
+    return value == "1" or (value == "auto" and cpu_has_fast_bfloat16())
+
+
+def bf16_skipped() -> str:
+    """The line a script prints where it leaves out its bf16-mixed rows on the CPU."""
+    why = "it is emulated on this CPU" if not cpu_has_fast_bfloat16() else f"{BF16_SWITCH}=0"
+    return f"bf16-mixed not timed: {why} (captioner warns before running it); {BF16_SWITCH}=1 times it anyway"
 
 
 class TextbookAdditiveAttention(AdditiveAttention):

@@ -13,7 +13,8 @@ the cycle, after an untimed pass. Also reports, on a CPU, the share of CPU time 
 Mixed precision runs as `captioner fit --trainer.precision ...` runs it: the forward pass and the loss in the
 autocast of Lightning's own `MixedPrecision` plugin, whose cast cache is off (each weight is cast again at every
 word), and 16-mixed scales the loss with the plugin's GradScaler. bf16-mixed is measured on a CPU, and on a GPU that
-supports it; 16-mixed on a GPU only (Lightning runs it as bf16-mixed on a CPU). The process starts with the
+supports it; 16-mixed on a GPU only (Lightning runs it as bf16-mixed on a CPU). On a CPU without native bfloat16,
+bf16-mixed is left out unless BENCH_BF16=1 (common.bf16_timed_on_cpu). The process starts with the
 settings the `captioner` command starts with (captioner.runtime): among them room for 16384 oneDNN kernels, without
 which bf16-mixed training rebuilds kernels all the time.
 """
@@ -25,7 +26,17 @@ import contextlib
 import itertools
 
 import torch
-from common import SIZES, TextbookAdditiveAttention, machine, result, synchronize, table, timed
+from common import (
+    SIZES,
+    TextbookAdditiveAttention,
+    bf16_skipped,
+    bf16_timed_on_cpu,
+    machine,
+    result,
+    synchronize,
+    table,
+    timed,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.profiler import ProfilerActivity, profile
 
@@ -76,10 +87,10 @@ def make_batch(
     return annotations.to(device), captions.to(device), lengths.to(device)
 
 
-def mixed_precisions(device: torch.device) -> tuple[str, ...]:
-    """The mixed precisions Lightning runs as such on `device`."""
+def mixed_precisions(device: torch.device, cpu_bf16: bool = True) -> tuple[str, ...]:
+    """The mixed precisions Lightning runs as such on `device`; on a CPU, bf16-mixed if `cpu_bf16`."""
     if device.type == "cpu":
-        return ("bf16-mixed",)
+        return ("bf16-mixed",) if cpu_bf16 else ()
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return ("16-mixed",)
     return ("16-mixed", "bf16-mixed")
@@ -147,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     device = parse_device(argv)
     keep_freed_memory()  # as the `captioner` command starts
     keep_more_onednn_kernels()
+    mixed = mixed_precisions(device, cpu_bf16=device.type != "cpu" or bf16_timed_on_cpu())
     variants = [("captioner", AttentionDecoder, "32-true")]
-    variants += [("captioner", AttentionDecoder, precision) for precision in mixed_precisions(device)]
+    variants += [("captioner", AttentionDecoder, precision) for precision in mixed]
     variants.append(("naive", NaiveDecoder, "32-true"))
     rows, speed, shares = [], {}, {}
     for sizes, batches in BATCHES.items():
@@ -170,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             speed[(sizes, name, precision)] = B / seconds
     print(f"batch {B}, mean caption length about {T} words; {machine(device)}\n")
+    if not mixed:
+        print(f"{bf16_skipped()}\n")
     print(table(rows))
 
     def captioner(sizes: str, precision: str = "32-true") -> float:
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         digits = 0 if sizes == "shapes" else 1
         figures[f"{sizes}_captions_per_s"] = f"{captioner(sizes):.{digits}f}"
         figures[f"{sizes}_speedup_vs_naive"] = f"{captioner(sizes) / speed[(sizes, 'naive', '32-true')]:.2f}"
-    for precision in mixed_precisions(device):
+    for precision in mixed:
         short = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
         for sizes in BATCHES:
             figures[f"{sizes}_{short}_speedup"] = f"{captioner(sizes, precision) / captioner(sizes):.2f}"

@@ -1,8 +1,9 @@
-"""The scripts in benchmarks/ still import against the library.
+"""The scripts in benchmarks/ still import against the library, and their pieces do what they say.
 
-`make bench` is not part of the test run: it takes about 15 minutes and wants an idle machine. These tests catch a
+`make bench` is not part of the test run: it takes an hour or more and wants an idle machine. These tests catch a
 library change that breaks a script's imports (a renamed function, a moved module), which would otherwise show only
-at the next `make bench`. They import each script, they do not time anything.
+at the next `make bench`, and check pieces of the scripts (their switches, their settings, their outputs with fake
+timings). They time nothing.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def test_the_training_benchmark_refuses_a_device_this_machine_lacks(benchmarks, 
     from train_step import main, mixed_precisions
 
     assert mixed_precisions(torch.device("cpu")) == ("bf16-mixed",)  # 16-mixed is for GPUs, as in Lightning
+    assert mixed_precisions(torch.device("cpu"), cpu_bf16=False) == ()
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit) as exit_info:
@@ -132,3 +134,57 @@ def test_the_training_benchmark_refuses_a_device_this_machine_lacks(benchmarks, 
     with pytest.raises(SystemExit):
         main(["--device", "nonsense"])
     assert "--device nonsense:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("switch", "native", "timed"),
+    [(None, True, True), (None, False, False), ("auto", False, False), ("0", True, False), ("1", False, True)],
+)
+def test_bf16_is_timed_on_a_cpu_where_it_is_native_or_when_asked(benchmarks, monkeypatch, switch, native, timed):
+    import common
+
+    monkeypatch.setattr(common, "cpu_has_fast_bfloat16", lambda: native)
+    if switch is None:
+        monkeypatch.delenv(common.BF16_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(common.BF16_SWITCH, switch)
+    assert common.bf16_timed_on_cpu() is timed
+
+
+def test_a_wrong_bf16_switch_stops_the_script_with_one_line(benchmarks, monkeypatch):
+    import common
+
+    monkeypatch.setenv(common.BF16_SWITCH, "yes")
+    with pytest.raises(SystemExit, match="BENCH_BF16='yes': use 1"):
+        common.bf16_timed_on_cpu()
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_caption_cli_py_leaves_bf16_out_of_its_table_and_result_when_not_timed(benchmarks, monkeypatch, capsys, switch):
+    """caption_cli.py without its bf16-mixed run still prints the acceptance figures (the command is not run here:
+    each run is a fake 2 s and 100 MiB, 150 MiB for 512 images)."""
+    import caption_cli
+    import common
+
+    monkeypatch.setenv(common.BF16_SWITCH, switch)
+    monkeypatch.setattr(common, "cpu_has_fast_bfloat16", lambda: True)  # so "0" is the reason given
+    runs = []
+
+    def fake_run(folder, precision="32-true"):
+        runs.append((len(list(folder.iterdir())), precision))
+        return 2.0, 100.0 if runs[-1][0] == 32 else 150.0
+
+    monkeypatch.setattr(caption_cli, "run", fake_run)
+    caption_cli.main()
+    out = capsys.readouterr().out
+    result = dict(pair.split("=") for pair in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    assert result["peak_growth"] == "50.0%"
+    if switch == "1":
+        assert runs == [(32, "32-true"), (512, "32-true"), (512, "bf16-mixed")]
+        assert result["bf16_speedup_512"] == "1.00"
+        assert "not timed" not in out
+    else:
+        assert runs == [(32, "32-true"), (512, "32-true")]
+        assert "wall_512_bf16_s" not in result and "bf16_speedup_512" not in result
+        assert "bf16-mixed not timed: BENCH_BF16=0" in out
+        assert "bf16-mixed |" not in out
