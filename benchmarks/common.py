@@ -33,9 +33,9 @@ def bf16_timed_on_cpu() -> bool:
     only where oneDNN has bfloat16 kernels for the CPU (`captioner.precision.cpu_has_fast_bfloat16`).
 
     Elsewhere bfloat16 is emulated and captioner warns before running it: in the `make bench` of docs/benchmarks.md
-    (a Zen 3) it made captioning 0.06-0.31x as fast as float32 and training 0.05-0.10x, and timing it took about half
-    of the run's 90 minutes, all of it measuring the emulation. A GPU's mixed precisions are timed whatever the switch
-    says.
+    (a Zen 3) it made captioning 0.06-0.31x as fast as float32 and training 0.05-0.10x, and timing it took about 60
+    of the run's 90 minutes (the next run, without it, took 28), all of it measuring the emulation. A GPU's mixed
+    precisions are timed whatever the switch says.
     """
     value = os.environ.get(BF16_SWITCH, "auto").strip().lower()
     if value not in ("0", "1", "auto"):
