@@ -93,7 +93,8 @@ def model_seconds(seconds: dict[str, float]) -> float:
 
 
 def main() -> None:
-    ways = WAYS if bf16_timed_on_cpu() else WAYS[:1]
+    bf16_timed = bf16_timed_on_cpu()
+    ways = WAYS if bf16_timed else WAYS[:1]
     warnings.filterwarnings("ignore")
     L.seed_everything(0, verbose=False)
     with tempfile.TemporaryDirectory() as root:
@@ -133,11 +134,11 @@ def main() -> None:
     ]
     print(f"trainer.validate, {VAL} shapes images from the feature cache, batch {BATCH}; {machine()}\n")
     print(table(rows))
-    if len(ways) == 1:
+    if not bf16_timed:
         print(f"\n{bf16_skipped()}")
     fp32 = fastest[WAYS[0]]
     values = {}
-    if len(ways) == len(WAYS):
+    if bf16_timed:
         bf16, uncached = fastest[WAYS[1]], fastest[WAYS[2]]
         values = {
             "bf16_speedup": f"{fp32['total'] / bf16['total']:.2f}",

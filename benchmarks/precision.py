@@ -145,9 +145,10 @@ def batching_gain(sizes: str, precisions: tuple[str, ...]) -> tuple[list[dict], 
 
 
 def main() -> None:
-    precisions = PRECISIONS if bf16_timed_on_cpu() else PRECISIONS[:1]
+    bf16_timed = bf16_timed_on_cpu()
+    precisions = PRECISIONS if bf16_timed else PRECISIONS[:1]
     print(f"{machine()}; native bf16: {native_bf16()}\n")
-    if "bf16-mixed" not in precisions:
+    if not bf16_timed:
         print(f"{bf16_skipped()}\n")
     rows, values = trained_model(precisions)
     print(f"Bundled shapes model, {N} test images, batch {BATCH}, beam {BEAM}:\n")
