@@ -24,9 +24,10 @@ rate this machine reaches on one large matmul: how far each batch size is from b
 
 A fifth table shows what `torch.inference_mode` (how the library decodes in float32) gives: greedy and beam 3 at
 batch 1 and 64, shapes sizes, under inference mode, under `torch.no_grad`, and with autograd on (a model in eval()
-mode called without either, as a script that forgets them does: every step's graph is built and kept until the
-search returns). The decoder's matmuls run through torch's own kernels in every row (oneDNN off, which with autograd
-on is the library's path anyway), so that only gradient tracking differs; the modes take turns, 12 calls each.
+mode called without either, as a script that forgets them does: every step's graph is built, and kept for as long
+as the search's result lives, whose scores and attention weights hold it). The decoder's matmuls run through torch's
+own kernels in every row (oneDNN off, which with autograd on is the library's path anyway), so that only gradient
+tracking differs; the modes take turns, 12 calls each. benchmarks/grad_memory.py measures the memory side.
 
 The first table also counts the page faults per call (the untimed first call of each round included): memory that
 glibc's malloc gave back to the kernel and took again, which costs a fault and a zero-fill per 4 KiB page.
