@@ -9,19 +9,24 @@ kernels in every mode (oneDNN off), so that only gradient tracking differs. "aut
 called without either context, as a script that forgets them does: every step's graph is built and kept for as long
 as the search's result lives, whose scores and attention weights hold it.
 
-Each search runs in a new (spawned) process, PROCESSES per configuration, the modes taking turns; the table gives
-the median process and the range. The figure is how far the process's resident memory rose during the search above
-where it stood just before (VmHWM, reset through /proc/self/clear_refs, against VmRSS). A new process's first
-search also makes its one-time allocations (the scorer's workspace, the output buffers, torch's thread pool), the
-same in every mode. It is measured with glibc's malloc as it comes and as the `captioner` command sets it
-(captioner.runtime.keep_freed_memory), because glibc's adaptive thresholds alone move the figure by tens of MiB
-from one process to another. Processes forked from one parent would share its heap's layout, and so its malloc's
-figure: spawned ones vary as scripts do. Linux with glibc only (elsewhere it stops with one line saying why); the
-RESULT keys are the medians under the `captioner` setting.
+Each search runs in a new (spawned) process, PROCESSES per configuration, the configurations taking turns; the table
+gives the median process and the range. Processes forked from one parent would share its heap's layout, and so its
+malloc's figure; spawned ones vary as scripts do. The figure is how far the process's resident memory rose during
+the search above where it stood just before (VmHWM, reset through /proc/self/clear_refs, against VmRSS). A new
+process's first search also makes its one-time allocations (the scorer's workspace, the output buffers, torch's
+thread pool), the same in every mode.
+
+glibc's adaptive thresholds alone move the figure by tens of MiB from one process to another, so it is measured with
+glibc's malloc in three settings: as it comes (a Python user's), as the `captioner` command sets it
+(captioner.runtime.keep_freed_memory), and with every block above 64 KiB taken from mmap and given back when freed,
+which brings the process's memory closest to what its tensors hold at each moment. Linux with glibc only (elsewhere
+it stops with one line saying why). The RESULT line has the medians under the `captioner` setting, and no_grad
+over inference mode with every block mmapped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import statistics
 import sys
@@ -38,7 +43,8 @@ from captioner.models import onednn
 PROCESSES = 2  # new processes per configuration
 BATCH, BEAM = 64, 3
 KEPT = "keep_freed_memory (as `captioner` runs)"
-MALLOCS = {"glibc's default": False, KEPT: True}
+MMAPPED = "every block above 64 KiB mmapped"
+MALLOCS = ("glibc's default", KEPT, MMAPPED)
 KEYS = dict(zip(GRAD_MODES, ("inference_mode", "no_grad", "autograd"), strict=True))
 
 
@@ -51,10 +57,23 @@ def status_mib(field: str) -> float:
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def search_memory(mode: str, sizes: str, keep_freed: bool) -> float:
-    """For a new process: MiB of resident memory one search rose to above where it stood before it."""
-    if keep_freed and not runtime.keep_freed_memory():
+def set_malloc(malloc: str) -> None:
+    """Set glibc's malloc as MALLOCS names it, in this process; OSError where that cannot be done."""
+    if malloc == KEPT and not runtime.keep_freed_memory():
         raise OSError("captioner.runtime.keep_freed_memory did not apply (not glibc, or CAPTIONER_KEEP_FREED_MEMORY=0)")
+    if malloc == MMAPPED:
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            raise OSError("no mallopt: not glibc") from None
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        if not mallopt(runtime.M_MMAP_THRESHOLD, 64 * 2**10):  # also turns off glibc's adaptive threshold
+            raise OSError("glibc refused an mmap threshold of 64 KiB")
+
+
+def search_memory(mode: str, sizes: str, malloc: str = MALLOCS[0]) -> float:
+    """For a new process: MiB of resident memory one search rose to above where it stood before it."""
+    set_malloc(malloc)
     P, E = SIZES[sizes][:2]
     decoder = random_decoder(sizes)
     annotations = torch.randn(BATCH, P, E)
@@ -73,7 +92,7 @@ def measure(processes: int = PROCESSES) -> dict[tuple[str, str, str], list[float
     for _ in range(processes):
         for sizes, malloc, mode in peaks:
             with ProcessPoolExecutor(1, mp_context=spawn) as new:
-                peaks[sizes, malloc, mode].append(new.submit(search_memory, mode, sizes, MALLOCS[malloc]).result())
+                peaks[sizes, malloc, mode].append(new.submit(search_memory, mode, sizes, malloc).result())
     return peaks
 
 
@@ -105,6 +124,12 @@ def main() -> None:
             **{
                 f"{sizes}_autograd_over_inference_mode": f"{mib['autograd'] / mib['inference_mode']:.1f}"
                 for sizes, mib in kept.items()
+            },
+            **{
+                f"{sizes}_mmapped_no_grad_over_inference_mode": (
+                    f"{median[sizes, MMAPPED, 'no_grad'] / median[sizes, MMAPPED, INFERENCE]:.2f}"
+                )
+                for sizes in SIZES
             },
         )
     )

@@ -100,7 +100,7 @@ def test_grad_memory_py_sees_the_graph_that_autograd_keeps(benchmarks):
     rise = {}
     for mode in (INFERENCE, "autograd on"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as new:
-            rise[mode] = new.submit(search_memory, mode, "shapes", False).result()
+            rise[mode] = new.submit(search_memory, mode, "shapes").result()
     assert 0 < rise[INFERENCE] < 100
     assert rise["autograd on"] > 3 * rise[INFERENCE]
 
