@@ -26,7 +26,6 @@ over inference mode with every block mmapped.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import statistics
 import sys
@@ -62,11 +61,9 @@ def set_malloc(malloc: str) -> None:
     if malloc == KEPT and not runtime.keep_freed_memory():
         raise OSError("captioner.runtime.keep_freed_memory did not apply (not glibc, or CAPTIONER_KEEP_FREED_MEMORY=0)")
     if malloc == MMAPPED:
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):
-            raise OSError("no mallopt: not glibc") from None
-        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        mallopt = runtime.glibc_mallopt()
+        if mallopt is None:
+            raise OSError("no mallopt: not glibc")
         if not mallopt(runtime.M_MMAP_THRESHOLD, 64 * 2**10):  # also turns off glibc's adaptive threshold
             raise OSError("glibc refused an mmap threshold of 64 KiB")
 

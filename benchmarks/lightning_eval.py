@@ -134,8 +134,6 @@ def main() -> None:
     ]
     print(f"trainer.validate, {VAL} shapes images from the feature cache, batch {BATCH}; {machine()}\n")
     print(table(rows))
-    if not bf16_timed:
-        print(f"\n{bf16_skipped()}")
     fp32 = fastest[WAYS[0]]
     values = {}
     if bf16_timed:
@@ -148,6 +146,8 @@ def main() -> None:
             "bf16_search_speedup": f"{fp32['search'] / bf16['search']:.2f}",
             "bf16_loss_speedup": f"{fp32['loss'] / bf16['loss']:.2f}",
         }
+    else:
+        print(f"\n{bf16_skipped()}")
     values["float32_metrics_share"] = f"{fp32['metrics'] / fp32['total']:.0%}"
     values["float32_model_share"] = f"{model_seconds(fp32) / fp32['total']:.0%}"
     print(result(**values))

@@ -38,14 +38,23 @@ def keep_freed_memory() -> bool:
     """
     if os.environ.get("CAPTIONER_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
-    except (OSError, AttributeError):  # no mallopt: not glibc
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # Both or neither: setting either one turns off glibc's adaptive thresholds, so the trim threshold alone would
     # leave every block above 128 KiB to mmap. `and` skips it when the mmap threshold is refused (returns 0).
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def glibc_mallopt():
+    """glibc's `mallopt(param, value)` (returns 1 when it applied the value, 0 when it refused it), from the C library
+    the interpreter runs on; None where that library has none (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
 
 
 ONEDNN_KERNELS = 16384
