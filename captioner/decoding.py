@@ -153,7 +153,7 @@ def beam_search(
         candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
         scores, best = candidates.topk(K, dim=1)  # (A,K)
         parents = (best // V + torch.arange(A, device=device).unsqueeze(1) * G).view(-1)  # (A*K,) rows extended
-        tokens = (best % V).view(-1)  # (A*K,)
+        tokens = best.view(-1) % V  # (A*K,); not a view, which would give torch.compile one more graph
         was_finished = finished[parents]
         h, c = h[parents], c[parents]
         lengths = lengths[parents] + (~was_finished).long()

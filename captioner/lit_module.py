@@ -69,6 +69,8 @@ class CaptioningModule(L.LightningModule):
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
+        compile_decoder: compile the decoder's per-word methods with torch.compile (not in the paper; off by default:
+            in benchmarks/compile_step.py it did not make batches faster, see `AttentionDecoder.compile_steps`).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class CaptioningModule(L.LightningModule):
         lr_patience: int = 2,
         max_caption_len: int = 30,
         beam_size: int = 3,
+        compile_decoder: bool = False,
     ):
         super().__init__()
         keep_more_onednn_kernels()  # for training with one's own Trainer too; see captioner.runtime
@@ -125,6 +128,8 @@ class CaptioningModule(L.LightningModule):
             end_index=Vocabulary.end_index,
         )
         self.model.encoder.fine_tune(fine_tune_blocks)
+        if compile_decoder:
+            self.model.decoder.compile_steps()
         self._hypotheses: list[list[str]] = []
         self._references: list[list[list[str]]] = []
         self._attention: tuple[list[float], list[float]] = ([], [])  # masses in boxes, uniform baselines

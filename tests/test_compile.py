@@ -1,0 +1,78 @@
+"""The optional torch.compile of the decoder's per-word methods (AttentionDecoder.compile_steps)."""
+
+import pytest
+import torch
+
+from captioner import Captioner
+from captioner.cli import run_lightning_cli
+from captioner.decoding import beam_search, greedy_search
+from captioner.lit_module import CaptioningModule, caption_loss
+from captioner.models.decoder import RECOMPILE_LIMIT
+from tests.conftest import tiny_fit_args
+
+COMPILED = ("attend", "recur", "output")
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_config():
+    """Restore the recompile limit that compile_steps raises, and fail where dynamo would run a method uncompiled."""
+    config = torch._dynamo.config
+    with config.patch({RECOMPILE_LIMIT: getattr(config, RECOMPILE_LIMIT), "fail_on_recompile_limit_hit": True}):
+        yield
+
+
+def test_captioner_compiles_only_when_asked_and_compiling_twice_changes_nothing(tiny_model):
+    assert not any(name in Captioner.load(tiny_model).model.decoder.__dict__ for name in COMPILED)
+    decoder = Captioner.load(tiny_model, compile_decoder=True).model.decoder
+    compiled = [decoder.__dict__[name] for name in COMPILED]
+    assert decoder.compile_steps() is decoder
+    assert [decoder.__dict__[name] for name in COMPILED] == compiled  # not wrapped a second time
+    assert getattr(torch._dynamo.config, RECOMPILE_LIMIT) >= 32
+
+
+def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_does(tmp_path):
+    """A fast_dev_run fit and validation through Lightning with `--model.compile_decoder=true`, then the trained
+    weights in an eager decoder: teacher forcing (loss and gradients) and greedy and beam search must agree, with
+    every call compiled (the fixture fails a call that dynamo would run uncompiled)."""
+    cli = run_lightning_cli(
+        ["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true", "--model.compile_decoder=true")]
+    )
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    compiled = cli.model.model.decoder
+    assert all(name in compiled.__dict__ for name in COMPILED)
+    hparams = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}  # not LightningCLI's _instantiator
+    eager_module = CaptioningModule(**hparams | {"compile_decoder": False})
+    eager_module.load_state_dict(cli.model.state_dict())
+    eager = eager_module.model.decoder
+    assert not any(name in eager.__dict__ for name in COMPILED)
+
+    vocab, P, E = len(cli.model.vocab), cli.model.model.encoder.num_pixels, cli.model.model.encoder.out_dim
+    torch.manual_seed(0)
+    annotations = torch.randn(6, P, E)
+    lengths = torch.tensor([9, 7, 7, 5, 4, 3])
+    captions = torch.randint(4, vocab, (6, 9))
+    captions[:, 0] = 1
+    losses, gradients = [], []
+    for decoder in (eager, compiled):
+        decoder.eval().zero_grad()  # eval: dropout draws different masks compiled; the graph is otherwise training's
+        logits, alphas = decoder(annotations, captions, lengths)
+        loss = caption_loss(logits, captions[:, 1:], alphas)[0]
+        loss.backward()
+        losses.append(loss.item())
+        gradients.append([p.grad.clone() for p in decoder.parameters() if p.grad is not None])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert len(gradients[1]) == len(gradients[0]) > 10
+    for compiled_grad, eager_grad in zip(*gradients[::-1], strict=True):
+        assert torch.allclose(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+    special = {"start_index": 1, "end_index": 2, "pad_index": 0}
+    with torch.inference_mode():
+        for search in (
+            lambda d: greedy_search(d, annotations, max_len=8, **special),
+            lambda d: greedy_search(d, annotations[:1], max_len=8, **special),
+            lambda d: beam_search(d, annotations, beam_size=3, max_len=8, **special),
+        ):
+            expected, got = search(eager), search(compiled)
+            assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.lengths, expected.lengths)
+            assert torch.allclose(got.scores, expected.scores, atol=1e-4)
+            assert torch.allclose(got.alphas, expected.alphas, atol=1e-5)
