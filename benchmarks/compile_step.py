@@ -1,21 +1,23 @@
-"""Does torch.compile help? Greedy decoding and a teacher-forced training step, eager vs compiled decoder step.
+"""Does torch.compile help? Greedy decoding and a teacher-forced training step, eager vs the library's option,
+`AttentionDecoder.compile_steps()` (`compile_decoder=True` in CaptioningModule and Captioner).
 
     python benchmarks/compile_step.py
 
-Shapes sizes, batch 64, 16 decoding steps. Only the decoder's per-word methods are compiled: `step` for decoding, and
-for training the ones teacher forcing calls, `attend` and `recur` at each word and `output` once for all words. The
-loops stay in Python. Compilation time is reported separately from the steady-state time.
+Shapes sizes, batch 64, 16 decoding steps. The option compiles the decoder's per-word methods with dynamic shapes:
+`step` (one graph, with the methods it calls), which the searches call, `attend` and `update`, which beam search calls
+instead once a hypothesis has ended, and `attend`, `recur` and `output`, which teacher forcing calls (`output` once
+for all words). The loops stay in Python. Compilation time is reported separately from the steady-state time.
 
-A second table times decoding alone, greedy and beam 3 at batch 1 and 64 (`decode.py`'s setting), for three
-variants of the step: eager, compiled, and compiled with Inductor's `freezing` option, which treats the weights as
-constants (safe under `torch.inference_mode`, where they cannot change) so that Inductor can pre-pack them for oneDNN
-and fold them into its kernels. The variants and batch sizes take turns over three rounds with the same number of
-calls each; every compiled variant is checked to write the same captions as eager.
+A second table times decoding alone, greedy and beam 3 at batch 1 and 64 (`decode.py`'s setting), for four
+variants: eager; `compile_steps()`; `compile_steps(options={"freezing": True})`, Inductor's option that treats the
+weights as constants (safe under `torch.inference_mode`, where they cannot change, but not for training) so that it
+can pre-pack them for oneDNN and fold them into its kernels; and `step` alone compiled with static shapes
+(`dynamic=False`: one graph per batch size), as this script compiled it before the option existed. The variants and
+batch sizes take turns over three rounds with the same number of calls each; every compiled variant is checked to
+write the same captions as eager.
 
 A third table does the same with the bundled shapes model on 64 test images, where captions end at different steps,
-so the batch shrinks and the step meets many shapes: `torch.compile` with its default dynamic-shape handling
-(which recompiles once per new shape until it marks the batch dimension dynamic) of the step and of its two halves,
-which beam search calls separately once some hypothesis has ended.
+so the batch shrinks and the step meets many shapes: eager against `compile_steps()`.
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ from train_step import make_batch
 
 from captioner.decoding import greedy_search
 from captioner.lit_module import caption_loss
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import RECOMPILE_LIMIT, AttentionDecoder
 
 B, MAX_LEN = 64, 16
 ROUNDS, CALLS = 3, 4  # second and third tables: timed calls per round, the same for every variant and setting
+# RESULT key prefix -> the decoding table's compiled variant
+VARIANT_TAGS = {
+    "compiled": "compile_steps()",
+    "frozen": "compile_steps(), freezing",
+    "static_step": "step alone, static",
+}
 
 
 def build() -> AttentionDecoder:
@@ -47,7 +55,7 @@ def build() -> AttentionDecoder:
 def measure(compiled: bool) -> dict[str, float]:
     decoder = build()
     if compiled:
-        decoder.step = torch.compile(decoder.step, dynamic=False)
+        decoder.compile_steps()
     P, E, *_, V = SIZES["shapes"]
     annotations = torch.randn(B, P, E)
 
@@ -60,9 +68,6 @@ def measure(compiled: bool) -> dict[str, float]:
     first = time.perf_counter() - start
     decode_s = timed(decode, repeats=5, warmup=1)
 
-    if compiled:  # teacher forcing does not call `step`: compile what it calls, after decoding has been timed
-        for method in ("attend", "recur", "output"):
-            setattr(decoder, method, torch.compile(getattr(decoder, method), dynamic=False))
     optimizer = torch.optim.Adam(decoder.parameters(), lr=4e-4)
     features, captions, lengths = make_batch(P, E, V)
 
@@ -75,7 +80,7 @@ def measure(compiled: bool) -> dict[str, float]:
         optimizer.step()
 
     start = time.perf_counter()
-    train()  # compiles again: training (autograd) and every batch size the shrinking batch goes through
+    train()  # compiles again: with autograd, and for the slices of the shrinking batch
     train_first = time.perf_counter() - start
     train_s = timed(train, repeats=3, warmup=1)
     return {"decode_first": first, "decode": decode_s, "train_first": train_first, "train": train_s}
@@ -84,12 +89,12 @@ def measure(compiled: bool) -> dict[str, float]:
 def fresh_dynamo() -> None:
     """Empty dynamo's caches and raise its recompile limit, before each decoding table.
 
-    Each variant and each shape of the step (batch 1 and 64; beam search's first step has one row per image; the
-    bundled model's shrinking batch) is a cache entry of the same function: more than dynamo's default limit of 8,
-    past which it runs eagerly. The training run of the first table has already reached that limit.
+    Each variant and each setting of a method (batch 1 and 64, training, inference; the static step's batch sizes)
+    is a cache entry of the same function: more than dynamo's default limit of 8, past which it runs eagerly, and
+    than the 32 that compile_steps sets, since all the variants share the decoder's functions.
     """
     torch._dynamo.reset()
-    torch._dynamo.config.cache_size_limit = 64  # the name torch 2.4 knows; newer ones call it recompile_limit too
+    setattr(torch._dynamo.config, RECOMPILE_LIMIT, 64)
 
 
 def race(variants: dict[str, AttentionDecoder], settings: list[tuple], run) -> tuple[dict, dict, dict]:
@@ -117,12 +122,17 @@ def race(variants: dict[str, AttentionDecoder], settings: list[tuple], run) -> t
 
 
 def decoding_variants() -> tuple[list[dict], dict[str, float]]:
-    """Greedy and beam 3 at batch 1 and 64: eager, compiled, compiled with freezing (one decoder each)."""
+    """Greedy and beam 3 at batch 1 and 64: eager, compile_steps(), compile_steps with freezing, and `step` alone
+    compiled with static shapes (one decoder each)."""
     fresh_dynamo()
-    variants = {"eager": build().eval(), "compiled": build().eval(), "compiled, freezing": build().eval()}
-    variants["compiled"].step = torch.compile(variants["compiled"].step, dynamic=False)
-    frozen = variants["compiled, freezing"]
-    frozen.step = torch.compile(frozen.step, dynamic=False, options={"freezing": True})
+    variants = {
+        "eager": build().eval(),
+        "compile_steps()": build().eval().compile_steps(),
+        "compile_steps(), freezing": build().eval().compile_steps(options={"freezing": True}),
+        "step alone, static": build().eval(),
+    }
+    static = variants["step alone, static"]
+    static.step = torch.compile(static.step, dynamic=False)
     P, E = SIZES["shapes"][:2]
     torch.manual_seed(1)
     inputs = {64: torch.randn(64, P, E)}
@@ -143,27 +153,21 @@ def decoding_variants() -> tuple[list[dict], dict[str, float]]:
     figures = {
         f"{tag}_{'greedy' if beam == 1 else f'beam{beam}'}_b{batch}_speedup": fastest[("eager", (beam, batch))]
         / fastest[(name, (beam, batch))]
-        for tag, name in (("compiled", "compiled"), ("frozen", "compiled, freezing"))
+        for tag, name in VARIANT_TAGS.items()
         for beam, batch in settings
     }
-    for tag, name in (("frozen", "compiled, freezing"), ("eager", "eager")):
+    for tag, name in [*VARIANT_TAGS.items(), ("eager", "eager")]:
         figures[f"{tag}_beam3_b64_over_b1"] = 64 * fastest[(name, (3, 1))] / fastest[(name, (3, 64))]
     figures["same_captions"] = all(same.values())
     return rows, figures
 
 
 def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
-    """Greedy and beam 3 with the bundled model on 64 test images, up to 30 words: eager vs torch.compile.
-
-    Beam search calls the step's two halves, `attend` and `update`, separately once some hypothesis has ended, so
-    they are compiled too.
-    """
+    """Greedy and beam 3 with the bundled model on 64 test images, up to 30 words: eager vs compile_steps()."""
     fresh_dynamo()
     model, annotations, special = bundled_model_inputs(64)
-    compiled = copy.deepcopy(model.decoder)
-    for method in ("step", "attend", "update"):
-        setattr(compiled, method, torch.compile(getattr(compiled, method)))
-    variants = {"eager": model.decoder, "compiled": compiled}
+    compiled = copy.deepcopy(model.decoder).compile_steps()
+    variants = {"eager": model.decoder, "compile_steps()": compiled}
     first, same, fastest = race(
         variants, [(1,), (3,)], lambda decoder, beam: search(decoder, annotations, beam, max_len=30, special=special)
     )
@@ -179,10 +183,10 @@ def bundled_model_variants() -> tuple[list[dict], dict[str, float]]:
     ]
     figures = {
         f"bundled_{'greedy' if beam == 1 else 'beam3'}_speedup": fastest[("eager", (beam,))]
-        / fastest[("compiled", (beam,))]
+        / fastest[("compile_steps()", (beam,))]
         for beam in (1, 3)
     }
-    figures["bundled_same_captions"] = same["compiled"]
+    figures["bundled_same_captions"] = same["compile_steps()"]
     return rows, figures
 
 
@@ -196,7 +200,7 @@ def main() -> None:
             "train step first call s": f"{m['train_first']:.1f}",
             "train step s": f"{m['train']:.3f}",
         }
-        for name, m in (("eager", eager), ("torch.compile, per-word methods", compiled))
+        for name, m in (("eager", eager), ("compile_steps()", compiled))
     ]
     print(f"shapes sizes, batch {B}; {machine()}\n")
     print(table(rows))

@@ -7,10 +7,8 @@ from captioner import Captioner
 from captioner.cli import run_lightning_cli
 from captioner.decoding import beam_search, greedy_search
 from captioner.lit_module import CaptioningModule, caption_loss
-from captioner.models.decoder import RECOMPILE_LIMIT
+from captioner.models.decoder import COMPILED_METHODS, RECOMPILE_LIMIT
 from tests.conftest import tiny_fit_args
-
-COMPILED = ("attend", "recur", "output")
 
 
 @pytest.fixture(autouse=True)
@@ -22,11 +20,11 @@ def _dynamo_config():
 
 
 def test_captioner_compiles_only_when_asked_and_compiling_twice_changes_nothing(tiny_model):
-    assert not any(name in Captioner.load(tiny_model).model.decoder.__dict__ for name in COMPILED)
+    assert not any(name in Captioner.load(tiny_model).model.decoder.__dict__ for name in COMPILED_METHODS)
     decoder = Captioner.load(tiny_model, compile_decoder=True).model.decoder
-    compiled = [decoder.__dict__[name] for name in COMPILED]
+    compiled = [decoder.__dict__[name] for name in COMPILED_METHODS]
     assert decoder.compile_steps() is decoder
-    assert [decoder.__dict__[name] for name in COMPILED] == compiled  # not wrapped a second time
+    assert [decoder.__dict__[name] for name in COMPILED_METHODS] == compiled  # not wrapped a second time
     assert getattr(torch._dynamo.config, RECOMPILE_LIMIT) >= 32
 
 
@@ -39,12 +37,12 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
     )
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
     compiled = cli.model.model.decoder
-    assert all(name in compiled.__dict__ for name in COMPILED)
+    assert all(name in compiled.__dict__ for name in COMPILED_METHODS)
     hparams = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}  # not LightningCLI's _instantiator
     eager_module = CaptioningModule(**hparams | {"compile_decoder": False})
     eager_module.load_state_dict(cli.model.state_dict())
     eager = eager_module.model.decoder
-    assert not any(name in eager.__dict__ for name in COMPILED)
+    assert not any(name in eager.__dict__ for name in COMPILED_METHODS)
 
     vocab, P, E = len(cli.model.vocab), cli.model.model.encoder.num_pixels, cli.model.model.encoder.out_dim
     torch.manual_seed(0)

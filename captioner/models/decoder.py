@@ -24,7 +24,8 @@ from captioner.models.attention import build_attention
 from captioner.models.onednn import Linear, LSTMCell
 
 GATES = ("scalar", "channel", "none")
-# dynamo's limit of graphs per function: its name since torch 2.6, and before
+COMPILED_METHODS = ("step", "update", "attend", "recur", "output")  # by AttentionDecoder.compile_steps
+# dynamo's limit of graphs per function: its name in newer torch, and in torch 2.4
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
@@ -163,24 +164,25 @@ class AttentionDecoder(nn.Module):
         return self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))
 
     def compile_steps(self, **options) -> AttentionDecoder:
-        """Compile the per-word methods `attend`, `recur` and `output` with `torch.compile(**options)`, in place.
+        """Compile the per-word methods (`step`, `update`, `attend`, `recur`, `output`) with `torch.compile(**options)`,
+        in place; the loops over words stay in Python.
 
         Off by default (not in the paper; `CaptioningModule(compile_decoder=True)` and `Captioner.load(...,
-        compile_decoder=True)` turn it on). These three methods are what every search and teacher forcing call at each
-        word, so one compilation serves decoding and training; the loops over words stay in Python. `dynamic=True`
-        unless `options` say otherwise: the batch shrinks as captions end. Compiling is lazy, at a method's first call
-        in each setting: with and without autograd, in inference mode, a batch of one (torch specialises size 1),
-        inputs that are slices (teacher forcing's shrinking batch) or not. One process that trains, validates and
-        captions meets about a dozen settings, more than dynamo's default limit of 8 graphs per function, past which
-        it would run the method uncompiled; so this raises dynamo's process-wide limit to at least 32.
-        On a CPU, Inductor (the default backend) needs a C++ compiler.
+        compile_decoder=True)` turn it on). A search calls `step`, which dynamo compiles into one graph with the
+        methods it calls, or `attend` and `update` once some hypothesis has ended; teacher forcing calls `attend`,
+        `recur` and `output`. `dynamic=True` unless `options` say otherwise: the batch shrinks as captions end.
+        Compiling is lazy, at a method's first call in each setting: with and without autograd, in inference mode, a
+        batch of one (torch specialises size 1), inputs that are slices (teacher forcing's shrinking batch) or not.
+        One process that trains, validates and captions meets about a dozen settings, more than dynamo's default limit
+        of 8 graphs per function, past which it would run the method uncompiled; so this raises dynamo's process-wide
+        limit to at least 32. On a CPU, Inductor (the default backend) needs a C++ compiler.
 
         What it gave is in docs/benchmarks.md (torch.compile; benchmarks/compile_step.py). Calling it again does
         nothing. Returns the decoder.
         """
         config, limit = torch._dynamo.config, RECOMPILE_LIMIT
         setattr(config, limit, max(getattr(config, limit), 32))
-        for name in ("attend", "recur", "output"):
+        for name in COMPILED_METHODS:
             if name not in self.__dict__:  # compiled: the instance attribute hides the method
                 setattr(self, name, torch.compile(getattr(self, name), **{"dynamic": True} | options))
         return self
