@@ -65,8 +65,8 @@ class Captioner:
     `device` defaults to CUDA when present. `precision` is "32-true" (default), "bf16-mixed" or "16-mixed": the
     encoder and the search run under autocast to that type (see `captioner.precision`); the weights stay float32,
     and the scores and attention maps returned are float32. `compile_decoder` compiles the decoder's per-word
-    methods with torch.compile (`AttentionDecoder.compile_steps`): 20-30 s of compiling at the first captions, for
-    faster search of single images.
+    methods with torch.compile (`AttentionDecoder.compile_steps`): tens of seconds of compiling at the first captions
+    (14-44 s on a 2-core CPU), for faster search of single images.
     """
 
     def __init__(

@@ -70,7 +70,8 @@ class CaptioningModule(L.LightningModule):
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
         compile_decoder: compile the decoder's per-word methods with torch.compile (not in the paper; off by default:
-            in benchmarks/compile_step.py it did not make batches faster, see `AttentionDecoder.compile_steps`).
+            in benchmarks/compile_step.py it made neither batches nor training steps faster, see
+            `AttentionDecoder.compile_steps`).
     """
 
     def __init__(

@@ -38,15 +38,22 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
     compiled = cli.model.model.decoder
     assert all(name in compiled.__dict__ for name in COMPILED_METHODS)
+
+    # Images of two kinds, annotations near +v or -v, and <end>'s output weights along L_z v: the first kind says
+    # <end> at once, the second never (margins over 10 nats when this test was written), so every search shrinks.
+    vocab, P, E = len(cli.model.vocab), cli.model.model.encoder.num_pixels, cli.model.model.encoder.out_dim
+    torch.manual_seed(0)
+    v = 4 * torch.randn(E)
+    annotations = 0.1 * torch.randn(6, P, E) + torch.tensor([1.0, -1.0] * 3).view(6, 1, 1) * v
+    with torch.no_grad():
+        u = compiled.L_z.weight @ v
+        compiled.L_o.weight[2] = 40 * u / u.norm() ** 2
     hparams = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}  # not LightningCLI's _instantiator
     eager_module = CaptioningModule(**hparams | {"compile_decoder": False})
     eager_module.load_state_dict(cli.model.state_dict())
     eager = eager_module.model.decoder
     assert not any(name in eager.__dict__ for name in COMPILED_METHODS)
 
-    vocab, P, E = len(cli.model.vocab), cli.model.model.encoder.num_pixels, cli.model.model.encoder.out_dim
-    torch.manual_seed(0)
-    annotations = torch.randn(6, P, E)
     lengths = torch.tensor([9, 7, 7, 5, 4, 3])
     captions = torch.randint(4, vocab, (6, 9))
     captions[:, 0] = 1
@@ -60,10 +67,12 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
         gradients.append([p.grad.clone() for p in decoder.parameters() if p.grad is not None])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert len(gradients[1]) == len(gradients[0]) > 10
-    for compiled_grad, eager_grad in zip(*gradients[::-1], strict=True):
-        assert torch.allclose(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+    largest = max(float(grad.abs().max()) for grad in gradients[0])  # rounding differs: against the largest gradient
+    for eager_grad, compiled_grad in zip(*gradients, strict=True):
+        assert (compiled_grad - eager_grad).abs().max() <= 1e-4 * largest
 
     special = {"start_index": 1, "end_index": 2, "pad_index": 0}
+    rows = []  # decoder rows per step, of each search
     with torch.inference_mode():
         for search in (
             lambda d: greedy_search(d, annotations, max_len=8, **special),
@@ -71,6 +80,8 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
             lambda d: beam_search(d, annotations, beam_size=3, max_len=8, **special),
         ):
             expected, got = search(eager), search(compiled)
+            rows.append(got.decoder_rows)
             assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.lengths, expected.lengths)
             assert torch.allclose(got.scores, expected.scores, atol=1e-4)
             assert torch.allclose(got.alphas, expected.alphas, atol=1e-5)
+    assert min(rows[0]) < 6 and min(rows[2][1:]) < 6 * 3  # shrank: beam search also ran attend and update alone
