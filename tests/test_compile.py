@@ -36,27 +36,30 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
         ["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true", "--model.compile_decoder=true")]
     )
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
-    compiled = cli.model.model.decoder
+    model = cli.model.model
+    compiled = model.decoder
+    special = {"start_index": model.start_index, "end_index": model.end_index, "pad_index": model.pad_index}
     assert all(name in compiled.__dict__ for name in COMPILED_METHODS)
 
     # Images of two kinds, annotations near +v or -v, and <end>'s output weights along L_z v: the first kind says
     # <end> at once, the second never (margins over 10 nats when this test was written), so every search shrinks.
-    vocab, P, E = len(cli.model.vocab), cli.model.model.encoder.num_pixels, cli.model.model.encoder.out_dim
+    B, P, E = 6, model.encoder.num_pixels, model.encoder.out_dim
     torch.manual_seed(0)
     v = 4 * torch.randn(E)
-    annotations = 0.1 * torch.randn(6, P, E) + torch.tensor([1.0, -1.0] * 3).view(6, 1, 1) * v
+    annotations = 0.1 * torch.randn(B, P, E) + torch.tensor([1.0, -1.0] * (B // 2)).view(B, 1, 1) * v
     with torch.no_grad():
         u = compiled.L_z.weight @ v
-        compiled.L_o.weight[2] = 40 * u / u.norm() ** 2
-    hparams = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}  # not LightningCLI's _instantiator
+        compiled.L_o.weight[model.end_index] = 40 * u / u.norm() ** 2
+    # LightningCLI adds _instantiator to the saved hyper-parameters
+    hparams = {name: value for name, value in cli.model.hparams.items() if not name.startswith("_")}
     eager_module = CaptioningModule(**hparams | {"compile_decoder": False})
     eager_module.load_state_dict(cli.model.state_dict())
     eager = eager_module.model.decoder
     assert not any(name in eager.__dict__ for name in COMPILED_METHODS)
 
     lengths = torch.tensor([9, 7, 7, 5, 4, 3])
-    captions = torch.randint(4, vocab, (6, 9))
-    captions[:, 0] = 1
+    captions = torch.randint(4, len(cli.model.vocab), (B, 9))  # words after the four special tokens
+    captions[:, 0] = model.start_index
     losses, gradients = [], []
     for decoder in (eager, compiled):
         decoder.eval().zero_grad()  # eval: dropout draws different masks compiled; the graph is otherwise training's
@@ -71,7 +74,6 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
     for eager_grad, compiled_grad in zip(*gradients, strict=True):
         assert (compiled_grad - eager_grad).abs().max() <= 1e-4 * largest
 
-    special = {"start_index": 1, "end_index": 2, "pad_index": 0}
     rows = []  # decoder rows per step, of each search
     with torch.inference_mode():
         for search in (
@@ -84,4 +86,4 @@ def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_doe
             assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.lengths, expected.lengths)
             assert torch.allclose(got.scores, expected.scores, atol=1e-4)
             assert torch.allclose(got.alphas, expected.alphas, atol=1e-5)
-    assert min(rows[0]) < 6 and min(rows[2][1:]) < 6 * 3  # shrank: beam search also ran attend and update alone
+    assert min(rows[0]) < B and min(rows[2][1:]) < B * 3  # shrank: beam search also ran attend and update alone
