@@ -23,6 +23,7 @@ from PIL import Image
 from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
+from captioner.models.decoder import check_compiler
 from captioner.models.show_attend_tell import ShowAttendTell
 from captioner.precision import check_precision, decoding
 from captioner.runtime import keep_more_onednn_kernels
@@ -82,6 +83,7 @@ class Captioner:
         self.precision = check_precision(precision)
         self.model = model.eval().to(self.device)
         if compile_decoder:
+            check_compiler(self.device)
             self.model.decoder.compile_steps()
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.metrics import attention_correctness, bleu, cider
+from captioner.models.decoder import check_compiler
 from captioner.models.show_attend_tell import ShowAttendTell
 from captioner.precision import cast_weights_once, warn_if_bfloat16_is_slow
 from captioner.runtime import keep_more_onednn_kernels
@@ -71,7 +72,7 @@ class CaptioningModule(L.LightningModule):
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
         compile_decoder: compile the decoder's per-word methods with torch.compile (not in the paper; off by default:
             in benchmarks/compile_step.py it made neither batches nor training steps faster, see
-            `AttentionDecoder.compile_steps`).
+            `AttentionDecoder.compile_steps`). On a CPU it needs a C++ compiler; without one, `setup` says so.
     """
 
     def __init__(
@@ -136,6 +137,8 @@ class CaptioningModule(L.LightningModule):
         self._attention: tuple[list[float], list[float]] = ([], [])  # masses in boxes, uniform baselines
 
     def setup(self, stage: str) -> None:
+        if self.hparams.compile_decoder:  # a missing C++ compiler: one line now, not a traceback at the first step
+            check_compiler(self.trainer.strategy.root_device)
         if str(self.trainer.precision).startswith("bf16"):  # bf16-mixed, bf16-true: slow on some CPUs, say so
             warn_if_bfloat16_is_slow(self.trainer.strategy.root_device, stacklevel=1)
 

@@ -1,13 +1,19 @@
 """The optional torch.compile of the decoder's per-word methods (AttentionDecoder.compile_steps)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from torch._inductor import cpp_builder
 
 from captioner import Captioner
 from captioner.cli import run_lightning_cli
 from captioner.decoding import beam_search, greedy_search
+from captioner.errors import ConfigError
 from captioner.lit_module import CaptioningModule, caption_loss
-from captioner.models.decoder import COMPILED_METHODS, RECOMPILE_LIMIT
+from captioner.models.decoder import COMPILED_METHODS, RECOMPILE_LIMIT, check_compiler
 from tests.conftest import tiny_fit_args
 
 
@@ -26,6 +32,32 @@ def test_captioner_compiles_only_when_asked_and_compiling_twice_changes_nothing(
     assert decoder.compile_steps() is decoder
     assert [decoder.__dict__[name] for name in COMPILED_METHODS] == compiled  # not wrapped a second time
     assert getattr(torch._dynamo.config, RECOMPILE_LIMIT) >= 32
+
+
+def test_a_missing_cpp_compiler_is_a_config_error_where_inductor_needs_one(tiny_model, monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise cpp_builder.exc.InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    with pytest.raises(ConfigError, match=r"^compile_decoder: torch.compile needs a working C\+\+ compiler .*"):
+        Captioner.load(tiny_model, compile_decoder=True)
+    Captioner.load(tiny_model)  # no compiling asked, no compiler needed
+    check_compiler("cuda")  # Inductor compiles for a GPU with Triton, not C++
+    check_compiler("cpu", backend="eager")
+    with pytest.raises(ConfigError):
+        check_compiler(torch.device("cpu"))
+
+
+def test_fit_with_compile_decoder_and_no_cpp_compiler_is_one_line(tmp_path):
+    """The real condition, not a patched probe: CXX names no compiler, as Inductor reads it when it starts."""
+    command = [sys.executable, "-m", "captioner.cli", "fit", *tiny_fit_args(tmp_path, "--model.compile_decoder=true")]
+    env = os.environ | {"CXX": str(tmp_path / "no-such-g++")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "torch.compile needs a working C++ compiler" in errors[0], result.stderr
+    assert "no-such-g++" in errors[0]
+    assert not (tmp_path / "checkpoints").exists()  # stopped before training
 
 
 def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_does(tmp_path):

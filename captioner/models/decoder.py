@@ -29,6 +29,27 @@ COMPILED_METHODS = ("step", "update", "attend", "recur", "output")  # by Attenti
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
+def check_compiler(device: torch.device | str, backend: str = "inductor") -> None:
+    """Raise a ConfigError when torch.compile with `backend` cannot compile for `device`: on a CPU, Inductor (the
+    default backend) writes C++ and needs a working C++ compiler. torch.compile is lazy, so without this check a
+    missing compiler would show as a traceback at the first word; `Captioner` and `CaptioningModule.setup` call it
+    when `compile_decoder` is on, where the device is known. Elsewhere (a GPU, another backend) it does nothing."""
+    if torch.device(device).type != "cpu" or backend != "inductor":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # the search Inductor itself runs, cached
+    except ImportError:  # an older torch: Inductor reports a missing compiler at the first call
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as err:  # InvalidCxxCompiler; on Windows a RuntimeError
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"compile_decoder: torch.compile needs a working C++ compiler to compile for the CPU ({detail}); install "
+            "g++ or clang++ (or set CXX to one), or leave compile_decoder off"
+        ) from None
+
+
 class AttentionDecoder(nn.Module):
     """Show-Attend-Tell decoder.
 
@@ -178,7 +199,7 @@ class AttentionDecoder(nn.Module):
         limit to at least 32. On a CPU, Inductor (the default backend) needs a C++ compiler.
 
         What it gave is in docs/benchmarks.md (torch.compile; benchmarks/compile_step.py). Calling it again does
-        nothing. Returns the decoder.
+        nothing. Returns the decoder. `check_compiler` says at once whether Inductor can compile for a device.
         """
         config, limit = torch._dynamo.config, RECOMPILE_LIMIT
         setattr(config, limit, max(getattr(config, limit), 32))
