@@ -204,7 +204,10 @@ class CaptionDataModule(L.LightningDataModule):
         augment = self.augment and split == "train"
         if self.feature_cache and encoder.frozen and not augment:
             features = FeatureCache(self.data_dir / "features", encoder, source)
-            if not features.exists:
+            problem = features.problem()
+            if problem is not None:
+                if problem != "missing":
+                    log.warning("%s: feature cache %s; building it again", features.path, problem)
                 device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
                 features.build(self.batch_size, self.num_workers, device)
         inputs = _Inputs(source, features, encoder.preprocessing.transforms(augment))

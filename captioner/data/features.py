@@ -4,7 +4,8 @@ With a frozen encoder the annotations of an image never change, so they are comp
 memory-mapped float16 array (N,P,E). Later epochs, and later runs, read the array instead of running the CNN.
 
 The cache key covers everything the annotations depend on: the encoder's weights, its preprocessing and grid, and
-the exact dataset split. Changing any of them builds a new cache next to the old one.
+the exact dataset split. Changing any of them builds a new cache next to the old one. A cache that is there but
+damaged (`FeatureCache.problem`) is built again, with a warning naming its file.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ class FeatureCache:
     @property
     def exists(self) -> bool:
         return self.path.exists()
+
+    def problem(self) -> str | None:
+        """Why the cache on disk cannot be used, or None when it can: missing, or damaged (a truncated or corrupt
+        array or meta.json, as a full disk or a broken copy leaves them, or an array of the wrong shape)."""
+        if not self.exists:
+            return "missing"
+        expected = (len(self.source), self.encoder.num_pixels, self.encoder.out_dim)
+        try:
+            array = self.load()  # reads the header and maps the data: a truncated file fails here
+            self.bad_indices()
+        except (OSError, ValueError) as err:  # json's JSONDecodeError is a ValueError
+            return f"damaged ({err})"
+        if array.shape != expected or array.dtype != np.float16:
+            return f"damaged (a {array.dtype} array of shape {array.shape}, not float16 {expected})"
+        return None
 
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
         """Encode every image once and write the (N,P,E) float16 array; written to a temporary file first, so an
