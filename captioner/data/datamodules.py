@@ -209,7 +209,15 @@ class CaptionDataModule(L.LightningDataModule):
                 if problem != "missing":
                     log.warning("%s: feature cache %s; building it again", features.path, problem)
                 device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
-                features.build(self.batch_size, self.num_workers, device)
+                try:
+                    features.build(self.batch_size, self.num_workers, device)
+                except OSError as err:  # a full disk, a folder that cannot be made: train on, without the cache
+                    log.warning(
+                        "%s: cannot write the feature cache (%s); the encoder will run at every step instead",
+                        err.filename or features.dir,
+                        err.strerror or err,
+                    )
+                    features = None
         inputs = _Inputs(source, features, encoder.preprocessing.transforms(augment))
         texts = [source.captions(i) for i in range(len(source))]
         captions = [[self.vocab.encode(t) for t in caps] for caps in texts]

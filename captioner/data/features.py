@@ -5,15 +5,20 @@ memory-mapped float16 array (N,P,E). Later epochs, and later runs, read the arra
 
 The cache key covers everything the annotations depend on: the encoder's weights, its preprocessing and grid, and
 the exact dataset split. Changing any of them builds a new cache next to the old one. A cache that is there but
-damaged (`FeatureCache.problem`) is built again, with a warning naming its file.
+damaged (`FeatureCache.problem`) is built again, with a warning naming its file; one that cannot be written (a full
+disk) is left out, with a warning, and the datamodule gives images instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -69,6 +74,24 @@ def _stack(items: list[tuple[torch.Tensor | None, bool]]) -> tuple[torch.Tensor 
     return (torch.stack(images) if images else None), ok
 
 
+def size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def reserve(path: Path) -> None:
+    """Allocate the disk blocks of the file at `path` (its current size), so that writing through a memory map
+    cannot find the disk full; where the OS or the file system cannot (posix_fallocate missing or unsupported),
+    nothing is done."""
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows
+        return
+    with open(path, "r+b") as file:
+        try:
+            os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # ENOSPC and the like are real
+                raise
+
+
 class FeatureCache:
     """The cached annotations of one dataset split under one encoder.
 
@@ -105,11 +128,39 @@ class FeatureCache:
 
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
         """Encode every image once and write the (N,P,E) float16 array; written to a temporary file first, so an
-        interrupted build never leaves a cache that looks complete."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        interrupted build never leaves a cache that looks complete.
+
+        Raises OSError, before encoding anything, when the cache cannot be written: its folder cannot be made, or the
+        disk has too little space for the whole array (the array is memory-mapped, and a write that found the disk
+        full would kill the process with SIGBUS, so its space is reserved first where the OS allows). A build that
+        fails removes its temporary file.
+        """
         shape = (len(self.source), self.encoder.num_pixels, self.encoder.out_dim)
         tmp = self.dir / f"annotations.{os.getpid()}.tmp.npy"
-        array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            needed, free = 2 * math.prod(shape), shutil.disk_usage(self.dir).free  # float16: 2 bytes
+            if needed > free:
+                space = f"no space left: it needs {size(needed)}, {size(free)} are free"
+                raise OSError(errno.ENOSPC, space, str(self.dir))
+            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
+            reserve(tmp)
+            bad = self._encode_into(array, batch_size, num_workers, device)
+            array.flush()
+            del array
+            meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
+            (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+
+    def _encode_into(
+        self, array: np.ndarray, batch_size: int, num_workers: int, device: torch.device | str
+    ) -> list[int]:
+        """Fill the memory-mapped array with the annotations of every image. Returns the indices of the images that
+        could not be read, whose rows stay zero."""
         loader = DataLoader(
             _Images(self.source, self.encoder.preprocessing.transforms()),
             batch_size=batch_size,
@@ -135,11 +186,7 @@ class FeatureCache:
                     start += len(ok)
         finally:
             self.encoder.train(was_training).to(original_device)
-        array.flush()
-        del array
-        meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
-        (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
+        return bad
 
     def bad_indices(self) -> set[int]:
         """Images that could not be read when the cache was built."""

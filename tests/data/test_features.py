@@ -1,15 +1,21 @@
-"""The frozen encoder's feature cache: a damaged cache on disk is reported and built again, never read."""
+"""The frozen encoder's feature cache on real disks: a damaged cache is reported and built again, never read; a cache
+that cannot be written (a full disk, a folder that cannot be made) is reported, and training goes on without it."""
 
+import errno
 import json
 import logging
+import os
 import re
+import shutil
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
+from captioner.data import features
 from captioner.data.datamodules import ShapesDataModule
-from captioner.data.features import FeatureCache
+from captioner.data.features import FeatureCache, reserve
 from captioner.models.encoder import Encoder
 
 
@@ -76,3 +82,68 @@ def test_a_missing_cache_is_built_without_a_warning(tmp_path, encoder, caplog):
     assert cache.problem() is None and cache.exists
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     assert FeatureCache(tmp_path / "elsewhere", encoder, cache.source).problem() == "missing"
+
+
+def fallback_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "cannot write the feature cache" in r.getMessage()]
+
+
+def test_no_space_for_the_cache_trains_on_without_it(tmp_path, encoder, caplog, monkeypatch):
+    """The space is checked before anything is encoded: a memory-mapped write on a full disk would kill the process."""
+    full = type(shutil.disk_usage(tmp_path))(total=10**9, used=10**9 - 1000, free=1000)
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: full)
+    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+        module, cache = cached_module(tmp_path, encoder)
+    assert fallback_warnings(caplog) == [
+        f"{cache.dir}: cannot write the feature cache (no space left: it needs 0.5 MiB, 0.0 MiB are free); the "
+        "encoder will run at every step instead"
+    ]
+    dataset = module.datasets["val"]
+    assert dataset.inputs.key == "images"  # the encoder runs on each batch
+    assert dataset[0]["input"].shape == (3, 224, 224)
+    assert list(cache.dir.iterdir()) == []  # no temporary file left behind
+
+
+def test_a_cache_folder_that_cannot_be_made_trains_on_without_it(tmp_path, encoder, caplog):
+    (tmp_path / "features").write_text("a file where the caches' folder should be")
+    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+        module, cache = cached_module(tmp_path, encoder)
+    assert fallback_warnings(caplog) == [
+        f"{cache.dir}: cannot write the feature cache (Not a directory); the encoder will run at every step instead"
+    ]
+    assert module.datasets["val"].inputs.key == "images"
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_build_that_fails_midway_leaves_no_temporary_file_and_no_cache(tmp_path, encoder, monkeypatch, failure):
+    source = ShapesDataModule(str(tmp_path), train_size=4, val_size=4, test_size=4).split("val")
+    cache = FeatureCache(tmp_path / "features", encoder, source)
+
+    def fail(*args):
+        assert list(cache.dir.glob("*.tmp.npy"))  # the array being written
+        raise failure
+
+    monkeypatch.setattr(FeatureCache, "_encode_into", fail)
+    with pytest.raises(type(failure)):
+        cache.build()
+    assert list(cache.dir.iterdir()) == [] and cache.problem() == "missing"
+
+
+def test_reserving_the_arrays_blocks_ignores_only_what_the_file_system_cannot_do(tmp_path, monkeypatch):
+    path = tmp_path / "array.npy"
+    path.write_bytes(b"\0" * 4096)
+    calls = []
+
+    def fallocate(fd, offset, length, error=None):
+        calls.append((offset, length))
+        if error is not None:
+            raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate, raising=False)
+    reserve(path)
+    assert calls == [(0, 4096)]
+    monkeypatch.setattr(os, "posix_fallocate", partial(fallocate, error=errno.EOPNOTSUPP), raising=False)
+    reserve(path)  # a file system without fallocate: the write goes on unreserved
+    monkeypatch.setattr(os, "posix_fallocate", partial(fallocate, error=errno.ENOSPC), raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        reserve(path)
