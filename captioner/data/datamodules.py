@@ -207,7 +207,7 @@ class CaptionDataModule(L.LightningDataModule):
             problem = features.problem()
             if problem is not None:
                 if problem != "missing":
-                    log.warning("%s: feature cache %s; building it again", features.path, problem)
+                    log.warning("%s: feature cache %s; building it again", features.dir, problem)
                 device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
                 try:
                     features.build(self.batch_size, self.num_workers, device)

@@ -119,11 +119,14 @@ class FeatureCache:
         expected = (len(self.source), self.encoder.num_pixels, self.encoder.out_dim)
         try:
             array = self.load()  # reads the header and maps the data: a truncated file fails here
-            self.bad_indices()
-        except (OSError, ValueError) as err:  # json's JSONDecodeError is a ValueError
-            return f"damaged ({err})"
+        except (OSError, ValueError) as err:
+            return f"damaged ({self.path.name}: {err})"
         if array.shape != expected or array.dtype != np.float16:
-            return f"damaged (a {array.dtype} array of shape {array.shape}, not float16 {expected})"
+            return f"damaged ({self.path.name} is {array.dtype} of shape {array.shape}, not float16 {expected})"
+        try:
+            self.bad_indices()
+        except (OSError, ValueError, AttributeError, TypeError) as err:  # not JSON (a ValueError), or not a dict
+            return f"damaged (meta.json: {err})"
         return None
 
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:

@@ -51,12 +51,17 @@ def corrupt_meta(cache: FeatureCache) -> None:
     (cache.dir / "meta.json").write_text('{"bad": [')
 
 
+def meta_not_a_dict(cache: FeatureCache) -> None:
+    (cache.dir / "meta.json").write_text("[1, 2]")
+
+
 @pytest.mark.parametrize(
     ("damage", "pattern"),
     [
-        (truncate, r"damaged \(.*file size.*\)"),  # numpy's words
-        (wrong_shape, r"damaged \(a float16 array of shape \(3, 2, 5\), not float16 \(4, 49, 1280\)\)"),
-        (corrupt_meta, r"damaged \(Expecting value: .*\)"),  # json's
+        (truncate, r"damaged \(annotations\.npy: .*file size.*\)"),  # numpy's words
+        (wrong_shape, r"damaged \(annotations\.npy is float16 of shape \(3, 2, 5\), not float16 \(4, 49, 1280\)\)"),
+        (corrupt_meta, r"damaged \(meta\.json: Expecting value: .*\)"),  # json's
+        (meta_not_a_dict, r"damaged \(meta\.json: .*\)"),
     ],
 )
 def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, caplog, damage, pattern):
@@ -70,7 +75,7 @@ def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, 
     with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
         again, _ = cached_module(tmp_path, encoder)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"{cache.path}: feature cache {reason}; building it again"]
+    assert warnings == [f"{cache.dir}: feature cache {reason}; building it again"]
     assert cache.problem() is None
     assert json.loads((cache.dir / "meta.json").read_text())["bad"] == []
     assert torch.equal(annotations(again), expected)  # the same as the first build's
