@@ -106,6 +106,7 @@ class FeatureCache:
         key = hashlib.sha256(f"{encoder_fingerprint(encoder)}|{source.identity}".encode()).hexdigest()[:16]
         self.dir = Path(root) / f"{source.identity}-{encoder.name}-{key}"
         self.path = self.dir / "annotations.npy"
+        self.meta = self.dir / "meta.json"
 
     @property
     def exists(self) -> bool:
@@ -125,8 +126,8 @@ class FeatureCache:
             return f"damaged ({self.path.name} is {array.dtype} of shape {array.shape}, not float16 {expected})"
         try:
             self.bad_indices()
-        except (OSError, ValueError, AttributeError, TypeError) as err:  # not JSON (a ValueError), or not a dict
-            return f"damaged (meta.json: {err})"
+        except (OSError, ValueError) as err:  # json's JSONDecodeError is a ValueError
+            return f"damaged ({self.meta.name}: {err})"
         return None
 
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
@@ -152,7 +153,7 @@ class FeatureCache:
             array.flush()
             del array
             meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
-            (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
+            self.meta.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
         except BaseException:
             with contextlib.suppress(OSError):
@@ -192,9 +193,15 @@ class FeatureCache:
         return bad
 
     def bad_indices(self) -> set[int]:
-        """Images that could not be read when the cache was built."""
-        meta = self.dir / "meta.json"
-        return set(json.loads(meta.read_text()).get("bad", [])) if meta.exists() else set()
+        """Images that could not be read when the cache was built. Raises ValueError when meta.json is not JSON, or
+        not an object whose "bad" is a list of indices."""
+        if not self.meta.exists():
+            return set()
+        meta = json.loads(self.meta.read_text())
+        bad = meta.get("bad", []) if isinstance(meta, dict) else None
+        if not isinstance(bad, list) or not all(isinstance(index, int) for index in bad):
+            raise ValueError('not an object whose "bad" is a list of image indices')
+        return set(bad)
 
     def load(self) -> np.ndarray:
         """The cached (N,P,E) float16 array, memory-mapped read-only."""

@@ -61,7 +61,7 @@ def meta_not_a_dict(cache: FeatureCache) -> None:
         (truncate, r"damaged \(annotations\.npy: .*file size.*\)"),  # numpy's words
         (wrong_shape, r"damaged \(annotations\.npy is float16 of shape \(3, 2, 5\), not float16 \(4, 49, 1280\)\)"),
         (corrupt_meta, r"damaged \(meta\.json: Expecting value: .*\)"),  # json's
-        (meta_not_a_dict, r"damaged \(meta\.json: .*\)"),
+        (meta_not_a_dict, r'damaged \(meta\.json: not an object whose "bad" is a list of image indices\)'),
     ],
 )
 def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, caplog, damage, pattern):
