@@ -160,34 +160,57 @@ def caption(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def evaluate(argv: list[str]) -> None:
-    """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap)."""
-    parser = argparse.ArgumentParser(prog="captioner evaluate", description=evaluate.__doc__)
-    parser.add_argument("--config", required=True, help="the YAML whose `data` section names the dataset")
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
-    parser.add_argument("--split", choices=("val", "test"), default="test")
-    parser.add_argument("--beam-size", type=int, default=3)
-    parser.add_argument("--max-len", type=int, default=30)
-    parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
-    _add_precision_argument(parser)
-    args = parser.parse_args(argv)
-    _check_config_paths(["--config", args.config])
-
+def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
+    """The datamodule that `evaluate` scores on: the `data` section of `config`, or else the data the checkpoint was
+    trained on, with `--data.*` overrides (as in `captioner fit`) applied."""
     import torch
     import yaml
     from jsonargparse import ArgumentParser
 
     from captioner.data.datamodules import CaptionDataModule
+
+    if config is not None:
+        _check_config_paths(["--config", config])
+        data = (yaml.safe_load(Path(config).read_text()) or {}).get("data")
+        if data is None:
+            raise ConfigError(f"{config}: no data section")
+    else:
+        try:
+            hparams = dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"])
+        except (KeyError, TypeError):
+            raise ConfigError(f"{checkpoint}: the checkpoint does not name its data; pass --config") from None
+        hparams.pop("_instantiator", None)
+        data = {"class_path": hparams.pop("_class_path"), "init_args": hparams}
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(CaptionDataModule, "data")
+    return parser.instantiate_classes(parser.parse_args(["--data", json.dumps(data), *overrides])).data
+
+
+def evaluate(argv: list[str]) -> None:
+    """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap)."""
+    parser = argparse.ArgumentParser(
+        prog="captioner evaluate",
+        description=evaluate.__doc__,
+        epilog="Options of the data, as in `captioner fit`, override the config's: --data.init_args.data_dir=...",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
+    parser.add_argument(
+        "--config", help="a YAML whose `data` section names the dataset (default: the checkpoint's training data)"
+    )
+    parser.add_argument("--split", choices=("val", "test"), default="test")
+    parser.add_argument("--beam-size", type=int, default=3)
+    parser.add_argument("--max-len", type=int, default=30)
+    parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
+    _add_precision_argument(parser)
+    args, overrides = parser.parse_known_args(argv)
+
+    import torch
+
     from captioner.lightning_cli import load_module
     from captioner.metrics import coco_caption_scores
 
-    data_parser = ArgumentParser(exit_on_error=False)
-    data_parser.add_subclass_arguments(CaptionDataModule, "data")
-    config = yaml.safe_load(Path(args.config).read_text()) or {}
-    if "data" not in config:
-        raise ConfigError(f"{args.config}: no data section")
-    datamodule = data_parser.instantiate_classes(data_parser.parse_object({"data": config["data"]})).data
-    module = load_module(args.checkpoint).eval()
+    module = load_module(args.checkpoint).eval()  # first: a missing or foreign checkpoint is named in one line
+    datamodule = _evaluation_data(args.config, args.checkpoint, overrides)
     module.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     datamodule.set_encoder(module.model.encoder)
     datamodule.setup("test" if args.split == "test" else "validate")

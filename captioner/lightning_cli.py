@@ -12,11 +12,15 @@ import warnings
 import zipfile
 from pathlib import Path
 
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from captioner.errors import CaptionerError
-from captioner.lit_module import CaptioningModule
+from captioner.errors import CaptionerError, ConfigError
+from captioner.files import replace_atomically, write_text_atomically
+from captioner.lit_module import CaptioningModule, gather
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
@@ -24,8 +28,60 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing beside the checkpoint and renaming it into place (captioner.files).
+
+    Lightning's own writer goes through a temporary file in the system's temp folder, which is moved by copying when
+    that folder is on another file system (a tmpfs /tmp, say): a kill during the copy leaves a torn checkpoint.
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if "://" in str(path):  # a remote file system: fsspec's transaction, as Lightning does
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(path, lambda file: torch.save(checkpoint, file))
+
+
+class LastCheckpoint(Checkpoint):
+    """Writes last.ckpt at the end of every training epoch, whatever the monitored metric did, and optionally every N
+    training steps too. `captioner fit ... --ckpt_path last` resumes from it.
+
+    Lightning's `ModelCheckpoint(save_last=True)` writes last.ckpt only when it writes a top-k checkpoint, so a
+    resumed run would go back to the best epoch and train every epoch since then again.
+
+    Args:
+        dirpath: the folder (in the CLI, linked from `checkpoint.dirpath`).
+        every_n_train_steps: also write it every N training steps (0: at epoch ends only). A run resumed from a
+            checkpoint written within an epoch continues at its global step, but Lightning cannot restore the
+            position in the epoch's shuffled order (it warns): the rest of that epoch is drawn afresh.
+    """
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 0):
+        if every_n_train_steps < 0:
+            raise ConfigError(f"every_n_train_steps must be >= 0, got {every_n_train_steps}")
+        self.dirpath, self.every_n_train_steps = dirpath, every_n_train_steps
+
+    def _save(self, trainer: Trainer) -> None:
+        if trainer.fast_dev_run or trainer.sanity_checking:
+            return
+        folder = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
+        trainer.save_checkpoint(folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # After CaptioningModule's own on_train_epoch_end (Lightning calls checkpoint callbacks last), after
+        # validation, early stopping and the plateau schedule's step: the state the next epoch starts from.
+        self._save(trainer)
+
+
 class PredictionWriter(BasePredictionWriter):
-    """Writes `captioner predict` results as JSON lines: index, caption, score (and image_id when known).
+    """Writes `captioner predict` results as JSON lines, one per image in index order: index, caption, score (and
+    image_id when known). Under DDP every rank's captions are gathered and rank 0 writes each image once (the
+    DistributedSampler repeats a few images to even out the ranks).
 
     Args:
         output: the JSON-lines file to write.
@@ -36,13 +92,18 @@ class PredictionWriter(BasePredictionWriter):
         self.output = Path(output)
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        records = {r["index"]: r for r in gather([r for batch in predictions for r in batch])}
+        if not trainer.is_global_zero:
+            return
         source = trainer.datamodule.split("test") if trainer.datamodule is not None else None
+        lines = []
+        for index in sorted(records):
+            record = records[index]
+            if source is not None and hasattr(source, "image_id"):
+                record = {"image_id": source.image_id(index), **record}
+            lines.append(json.dumps(record) + "\n")
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        with self.output.open("w") as f:
-            for record in (r for batch in predictions for r in batch):
-                if source is not None and hasattr(source, "image_id"):
-                    record = {"image_id": source.image_id(record["index"]), **record}
-                f.write(json.dumps(record) + "\n")
+        write_text_atomically(self.output, "".join(lines))
         print(f"wrote {self.output}")
 
 
@@ -51,16 +112,23 @@ class CaptionerCLI(LightningCLI):
         parser.add_lightning_class_args(PredictionWriter, "predictions")
         # The vocabulary is decided by the data (its training split), once, and handed to the model.
         parser.link_arguments("data.vocab_tokens", "model.vocab", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")  # best.ckpt, by the monitored metric
+        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
+        parser.link_arguments("checkpoint.dirpath", "last_checkpoint.dirpath")
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/bleu4",
                 "checkpoint.mode": "max",
-                "checkpoint.save_last": True,
                 "checkpoint.filename": "best",
                 "checkpoint.enable_version_counter": False,
             }
         )
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: write atomically instead
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
 
 def load_module(checkpoint: str) -> CaptioningModule:

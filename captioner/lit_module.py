@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import lightning as L
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from captioner.data.vocab import Vocabulary
@@ -15,6 +19,40 @@ from captioner.precision import cast_weights_once, warn_if_bfloat16_is_slow
 from captioner.runtime import keep_more_onednn_kernels
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
+LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
+
+
+def rng_states() -> dict:
+    """This process's random generators (Python, NumPy, torch, CUDA), as plain lists and tensors."""
+    numpy = np.random.get_state(legacy=False)
+    states = {
+        "python": random.getstate(),
+        "numpy": {**numpy, "state": {"key": numpy["state"]["key"].tolist(), "pos": numpy["state"]["pos"]}},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate((states["python"][0], tuple(states["python"][1]), states["python"][2]))
+    numpy = states["numpy"]
+    np.random.set_state(
+        {**numpy, "state": {"key": np.array(numpy["state"]["key"], dtype=np.uint32), "pos": numpy["state"]["pos"]}}
+    )
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def gather(records: list) -> list:
+    """Every rank's `records`, concatenated in rank order (under DDP; otherwise `records` itself)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return records
+    everyone: list[list | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, records)
+    return [record for part in everyone for record in part]
 
 
 def caption_loss(
@@ -65,7 +103,8 @@ class CaptioningModule(L.LightningModule):
         decoder_lr: learning rate of the decoder.
         weight_decay: Adam weight decay.
         lr_schedule: "plateau" (reduce on a stalled `lr_monitor`), "cosine" (over max_epochs) or "none".
-        lr_monitor: metric the plateau schedule watches (higher is better).
+        lr_monitor: metric the plateau schedule watches: "val/bleu4" or "val/cider". It is stepped at the end of each
+            validation.
         lr_factor: plateau decay factor.
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
@@ -110,6 +149,8 @@ class CaptioningModule(L.LightningModule):
             raise ConfigError(f"learning rates must be positive, got encoder_lr={encoder_lr}, decoder_lr={decoder_lr}")
         if lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"unknown lr_schedule {lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        if lr_monitor not in LR_MONITORS:
+            raise ConfigError(f"unknown lr_monitor {lr_monitor!r}; choose one of {', '.join(LR_MONITORS)}")
         self.save_hyperparameters()
         self.vocab = Vocabulary(vocab)
         self.model = ShowAttendTell(
@@ -132,15 +173,30 @@ class CaptioningModule(L.LightningModule):
         self.model.encoder.fine_tune(fine_tune_blocks)
         if compile_decoder:
             self.model.decoder.compile_steps()
-        self._hypotheses: list[list[str]] = []
-        self._references: list[list[list[str]]] = []
-        self._attention: tuple[list[float], list[float]] = ([], [])  # masses in boxes, uniform baselines
+        self._decoded: list[tuple] = []  # (image index, words, references, attention masses, uniform baselines)
+        self._resumed_rng_states: dict | None = None
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile_decoder:  # a missing C++ compiler: one line now, not a traceback at the first step
             check_compiler(self.trainer.strategy.root_device)
         if str(self.trainer.precision).startswith("bf16"):  # bf16-mixed, bf16-true: slow on some CPUs, say so
             warn_if_bfloat16_is_slow(self.trainer.strategy.root_device, stacklevel=1)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have."""
+        checkpoint["rng_states"] = gather([rng_states()])
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng_states" in checkpoint:  # put back in on_fit_start: only a resumed fit must continue the sequence
+            states = checkpoint["rng_states"]
+            self._resumed_rng_states = states[self.global_rank % len(states)]
+
+    def on_fit_start(self) -> None:
+        # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
+        # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
+        if self._resumed_rng_states is not None:
+            set_rng_states(self._resumed_rng_states)
+            self._resumed_rng_states = None
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         captions = batch["captions"]  # (B,T)
@@ -161,7 +217,8 @@ class CaptioningModule(L.LightningModule):
         return self._shared_step(batch, "train")
 
     def _decode_step(self, batch: dict, stage: str) -> None:
-        """Loss on the first reference, then one greedy decode per image, scored later against all references."""
+        """Loss on the first reference, then one greedy decode per image, scored at the epoch's end against all its
+        references."""
         if batch is None:
             return
         with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed: once per batch, not per op
@@ -169,32 +226,51 @@ class CaptioningModule(L.LightningModule):
             generation = self.model.generate(
                 images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
             )
-        hypotheses = [self.vocab.decode_tokens(row) for row in generation.tokens.tolist()]
-        self._hypotheses += hypotheses
-        self._references += batch["references"]
-        for i, objects in enumerate(batch.get("objects") or []):
-            if objects is not None:
+        for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
+            words = self.vocab.decode_tokens(tokens)
+            masses, baselines = [], []
+            objects = batch["objects"][i]
+            if objects is not None:  # only datasets with object boxes (shapes)
                 size = batch["canvas"][i]
                 masses, baselines = attention_correctness(
-                    hypotheses[i], generation.alphas[i], self.model.encoder.grid_hw, objects, (size, size)
+                    words, generation.alphas[i], self.model.encoder.grid_hw, objects, (size, size)
                 )
-                self._attention[0].extend(masses)
-                self._attention[1].extend(baselines)
+            self._decoded.append((index, words, batch["references"][i], masses, baselines))
 
-    def _decode_epoch_end(self, stage: str) -> None:
-        self.log(f"{stage}/bleu4", bleu(self._hypotheses, self._references, n=4), prog_bar=True)
-        self.log(f"{stage}/cider", cider(self._hypotheses, self._references))
-        masses, baselines = self._attention
-        if masses:  # only datasets with object boxes (shapes)
-            self.log(f"{stage}/attn_correctness", sum(masses) / len(masses))
-            self.log(f"{stage}/attn_uniform_baseline", sum(baselines) / len(baselines))
-        self._hypotheses, self._references, self._attention = [], [], ([], [])
+    def _decode_epoch_end(self, stage: str) -> dict[str, float]:
+        """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
+        that the DistributedSampler repeated to even out the ranks count once. Every rank gets the same values."""
+        decoded = {index: rest for index, *rest in gather(self._decoded)}  # a repeated image has the same caption
+        self._decoded = []
+        hypotheses, references, masses, baselines = ([decoded[i][field] for i in sorted(decoded)] for field in range(4))
+        metrics = {f"{stage}/bleu4": bleu(hypotheses, references, n=4), f"{stage}/cider": cider(hypotheses, references)}
+        masses, baselines = [m for ms in masses for m in ms], [b for bs in baselines for b in bs]
+        if masses:
+            metrics[f"{stage}/attn_correctness"] = sum(masses) / len(masses)
+            metrics[f"{stage}/attn_uniform_baseline"] = sum(baselines) / len(baselines)
+        for name, value in metrics.items():  # equal on every rank: "max" keeps it exact and Lightning's DDP check quiet
+            self.log(name, value, prog_bar=name.endswith("bleu4"), sync_dist=True, reduce_fx="max")
+        return metrics
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._decode_step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        self._decode_epoch_end("val")
+        metrics = self._decode_epoch_end("val")
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self._step_plateau_schedule(metrics)
+
+    def _step_plateau_schedule(self, metrics: dict[str, float]) -> None:
+        """Step the plateau schedule here, where its metric has just been computed, rather than where Lightning
+        would: after the epoch's checkpoints are written. A resumed run would otherwise miss one of its steps."""
+        schedulers = self.lr_schedulers()
+        for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(metrics[self.hparams.lr_monitor])
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # that one: at validation's end
+            super().lr_scheduler_step(scheduler, metric)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._decode_step(batch, "test")
@@ -229,10 +305,10 @@ class CaptioningModule(L.LightningModule):
                 optimizer, T_max=max(1, self.trainer.max_epochs or 1)
             )
             return {"optimizer": optimizer, "lr_scheduler": scheduler}
-        # strict=False: a run without validation (limit_val_batches=0) warns that the metric is missing, not crash.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer, mode="max", factor=hp.lr_factor, patience=hp.lr_patience
-        )
+        )  # stepped by on_validation_epoch_end; Lightning saves and restores its state
+        # strict=False: a run without validation (limit_val_batches=0) warns that the metric is missing, not crash.
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "monitor": hp.lr_monitor, "strict": False},

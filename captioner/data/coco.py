@@ -90,8 +90,9 @@ def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record
     return [Record(Path(image_dir) / image, caps, image) for image, caps in by_image.items()]
 
 
-def clean(records: list[Record], max_caption_len: int, name: str) -> list[Record]:
-    """Drop empty and too-long captions and images whose file is missing; report what was dropped in one line."""
+def clean(records: list[Record], max_caption_len: int | None, name: str) -> list[Record]:
+    """Drop empty captions, captions of more than `max_caption_len` words (None: keep every length) and images whose
+    file is missing; report what was dropped in one line."""
     dropped: Counter[str] = Counter()
     kept = []
     for record in records:
@@ -103,7 +104,7 @@ def clean(records: list[Record], max_caption_len: int, name: str) -> list[Record
             words = len(tokenize(caption))
             if words == 0:
                 dropped["empty caption"] += 1
-            elif words > max_caption_len:
+            elif max_caption_len is not None and words > max_caption_len:
                 dropped[f"caption longer than {max_caption_len} words"] += 1
             else:
                 captions.append(caption)

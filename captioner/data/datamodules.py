@@ -203,27 +203,45 @@ class CaptionDataModule(L.LightningDataModule):
         features = None
         augment = self.augment and split == "train"
         if self.feature_cache and encoder.frozen and not augment:
-            features = FeatureCache(self.data_dir / "features", encoder, source)
-            problem = features.problem()
-            if problem is not None:
-                if problem != "missing":
-                    log.warning("%s: feature cache %s; building it again", features.dir, problem)
-                device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
-                try:
-                    features.build(self.batch_size, self.num_workers, device)
-                except OSError as err:  # a full disk, a folder that cannot be made: train on, without the cache
-                    log.warning(
-                        "%s: cannot write the feature cache (%s); the encoder will run at every step instead",
-                        err.filename or features.dir,
-                        err.strerror or err,
-                    )
-                    features = None
+            features = self._feature_cache(source, encoder)
         inputs = _Inputs(source, features, encoder.preprocessing.transforms(augment))
         texts = [source.captions(i) for i in range(len(source))]
         captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
         references = [[tokenize(t) for t in caps] for caps in texts]
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
         return CaptionDataset(inputs, captions, references, mode, objects)
+
+    def _feature_cache(self, source: CaptionSource, encoder: Encoder) -> FeatureCache | None:
+        """The split's feature cache, built first if it is missing or damaged; None if it cannot be written.
+
+        Under DDP, local rank 0 builds it while the other ranks wait at a barrier, then they read it. Two processes
+        that need the same cache and do not share a Trainer (two runs on one data_dir, or two nodes on one shared
+        disk) take turns through the cache's lock file: one builds, the other then finds it built.
+        """
+        cache = FeatureCache(self.data_dir / "features", encoder, source)
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else "cpu"
+        distributed = trainer is not None and trainer.world_size > 1
+        usable = True
+        if not distributed or trainer.local_rank == 0:
+            usable = self._ensure(cache, device)
+        if distributed:
+            trainer.strategy.barrier("feature cache")
+            if trainer.local_rank != 0:
+                usable = self._ensure(cache, device)
+        return cache if usable else None
+
+    def _ensure(self, cache: FeatureCache, device: torch.device | str) -> bool:
+        try:
+            cache.ensure(self.batch_size, self.num_workers, device)
+            return True
+        except OSError as err:  # a full disk, a folder that cannot be made: train on, without the cache
+            log.warning(
+                "%s: cannot write the feature cache (%s); the encoder will run at every step instead",
+                err.filename or cache.dir,
+                err.strerror or err,
+            )
+            return False
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
@@ -315,7 +333,9 @@ class CocoDataModule(CaptionDataModule):
         captions_file: custom captions file (.jsonl or .csv), relative to data_dir.
         image_dir: custom image folder, relative to data_dir.
         val_fraction, test_fraction: custom format only.
-        max_caption_len: longer captions are skipped (counted in the summary line).
+        max_train_caption_len: training captions with more words are skipped (counted in the summary line); val and
+            test keep every reference, as the coco-caption scorers expect. Not the model's `max_caption_len`, the
+            longest caption it generates.
         download: let prepare_data download what is missing (COCO images and annotations, Karpathy splits).
         urls: name -> URL overrides for the downloads (a mirror), see `captioner.data.download.COCO_URLS`.
         checksums: name -> SHA-256 of a download; a mismatch deletes the file and stops with an error.
@@ -333,7 +353,7 @@ class CocoDataModule(CaptionDataModule):
         image_dir: str = "images",
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
-        max_caption_len: int = 50,
+        max_train_caption_len: int = 50,
         download: bool = False,
         urls: dict[str, str] | None = None,
         checksums: dict[str, str] | None = None,
@@ -354,7 +374,7 @@ class CocoDataModule(CaptionDataModule):
         self.format, self.year, self.split_file, self.image_root = format, year, split_file, image_root
         self.captions_file, self.image_dir = captions_file, image_dir
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.max_caption_len, self.download, self.urls = max_caption_len, download, urls or {}
+        self.max_train_caption_len, self.download, self.urls = max_train_caption_len, download, urls or {}
         self.checksums = checksums or {}
 
     def prepare_data(self) -> None:
@@ -383,7 +403,8 @@ class CocoDataModule(CaptionDataModule):
                 if self._custom_split(str(r.image_id)) == split
             ]
         name = f"{root.name}-{self.format}-{split}"
-        return CaptionSet(name, clean(records, self.max_caption_len, name))
+        max_words = self.max_train_caption_len if split == "train" else None
+        return CaptionSet(name, clean(records, max_words, name))
 
     def _custom_split(self, image: str) -> str:
         u = zlib.crc32(image.encode()) / 2**32  # stable across runs and machines

@@ -2,7 +2,10 @@
 
 A download goes to `<file>.part`; an interrupted one resumes from there with an HTTP Range request. The finished
 file is checked against its SHA-256 (when one is known) before it replaces the final name, so a file without
-`.part` is always complete.
+`.part` is always complete. An archive is extracted into a temporary folder and then renamed into place, so that what
+the next run takes as "extracted" is complete: a kill in the middle of the 13 GB unzip leaves only the temporary
+folder, which the next run deletes before it extracts again. One process at a time prepares a dataset folder (a lock
+file), so the ranks of a DDP run, which all build the vocabulary when they start, do not download twice.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import logging
+import os
 import shutil
 import urllib.error
 import urllib.request
@@ -19,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from captioner.errors import CaptionerError
+from captioner.files import build_lock
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +94,33 @@ def download(url: str, destination: str | Path, sha256: str | None = None, timeo
     return destination
 
 
-def extract(archive: str | Path, folder: str | Path) -> None:
-    """Unzip `archive` into `folder`, refusing members that would land outside it."""
-    folder = Path(folder).resolve()
+def extract(archive: str | Path, folder: str | Path, marker: str | Path) -> None:
+    """Unzip `archive` into `folder`, refusing members that would land outside it.
+
+    The members are extracted into a temporary folder first, then moved into `folder`: a top-level folder that is not
+    there yet (train2014/) by one rename, into one that is (annotations/) file by file, `marker` last of all. So
+    `marker`, the file or folder whose presence means "extracted", appears only when everything else is in place.
+    """
+    folder, marker = Path(folder).resolve(), Path(marker).resolve()
+    staging = folder / f".{Path(archive).name}.extracting"
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed extraction left
     with zipfile.ZipFile(archive) as zf:
         for member in zf.namelist():
             if not (folder / member).resolve().is_relative_to(folder):
                 raise DownloadError(f"{archive}: member {member!r} would be extracted outside {folder}")
-        zf.extractall(folder)
+        zf.extractall(staging)
+    _move_into(staging, folder, staging / marker.relative_to(folder))
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into(source: Path, target: Path, last: Path) -> None:
+    """Move `source` to `target` by renames: whole if `target` is missing, else entry by entry, `last` (a path under
+    `source`) and the folders that hold it after every other entry."""
+    if not target.exists() or source.is_file():
+        os.replace(source, target)
+        return
+    for entry in sorted(source.iterdir(), key=lambda entry: entry == last or entry in last.parents):
+        _move_into(entry, target / entry.name, last)
 
 
 def fetch_and_extract(name: str, urls: dict[str, str], folder: Path, marker: Path, sha256: str | None = None) -> None:
@@ -106,7 +130,7 @@ def fetch_and_extract(name: str, urls: dict[str, str], folder: Path, marker: Pat
     url = {**COCO_URLS, **urls}[name]
     archive = download(url, folder / "downloads" / Path(url).name, sha256)
     log.info("extracting %s", archive)
-    extract(archive, folder)
+    extract(archive, folder, marker)
     if not marker.exists():
         raise DownloadError(f"{archive}: extracted, but {marker} is still missing")
 
@@ -117,11 +141,12 @@ def prepare_coco(
     """Download and extract what the chosen COCO layout needs and is missing (checksums: name -> SHA-256)."""
     if format == "custom":
         return
-    for part in ("train", "val"):
-        fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}", checksums.get(f"{part}{year}"))
-    if format == "coco":
-        marker = folder / "annotations" / f"captions_train{year}.json"
-        fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums.get(f"annotations{year}"))
-    else:
-        fetch_and_extract("karpathy", urls, folder, folder / split_file, checksums.get("karpathy"))
-    shutil.rmtree(folder / "downloads", ignore_errors=True)
+    with build_lock(folder):
+        for part in ("train", "val"):
+            fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}", checksums.get(f"{part}{year}"))
+        if format == "coco":
+            marker = folder / "annotations" / f"captions_train{year}.json"
+            fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums.get(f"annotations{year}"))
+        else:
+            fetch_and_extract("karpathy", urls, folder, folder / split_file, checksums.get("karpathy"))
+        shutil.rmtree(folder / "downloads", ignore_errors=True)

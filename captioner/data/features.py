@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.data.images import ImageError
+from captioner.files import build_lock, write_text_atomically
 from captioner.models.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,21 @@ class FeatureCache:
             return f"damaged ({self.meta.name}: {err})"
         return None
 
+    def ensure(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
+        """Build the cache unless a usable one is there (see `problem`; a damaged one is named in a warning).
+
+        Holds the cache's lock file while it looks and builds: of two processes that need the same cache, one builds
+        it and the other waits, then finds it built. Raises OSError when it cannot be written (see `build`).
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)  # first, so that a warning names the folder that cannot be made
+        with build_lock(self.dir):
+            problem = self.problem()
+            if problem is None:
+                return
+            if problem != "missing":
+                log.warning("%s: feature cache %s; building it again", self.dir, problem)
+            self.build(batch_size, num_workers, device)
+
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
         """Encode every image once and write the (N,P,E) float16 array; written to a temporary file first, so an
         interrupted build never leaves a cache that looks complete.
@@ -153,7 +169,7 @@ class FeatureCache:
             array.flush()
             del array
             meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
-            self.meta.write_text(json.dumps(meta, indent=1))
+            write_text_atomically(self.meta, json.dumps(meta, indent=1))
             os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
         except BaseException:
             with contextlib.suppress(OSError):

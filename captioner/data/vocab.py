@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 from captioner.errors import CaptionerError
+from captioner.files import write_text_atomically
 
 
 @cache
@@ -86,7 +87,7 @@ class Vocabulary:
         return list(self.itos)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"itos": self.itos}, indent=0))
+        write_text_atomically(path, json.dumps({"itos": self.itos}, indent=0))
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:
