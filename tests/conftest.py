@@ -1,4 +1,4 @@
-"""Shared fixtures: CPU only, tiny sizes, no logger, data written under tmp_path."""
+"""Shared fixtures: CPU only, tiny sizes, data and logs written under tmp_path."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def tiny_fit_args(tmp_path, *extra: str) -> list[str]:
         "configs/debug.yaml",
         "--trainer.accelerator=cpu",
         f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
         f"--checkpoint.dirpath={tmp_path / 'checkpoints'}",
         f"--data.init_args.data_dir={tmp_path / 'data'}",
         "--data.init_args.num_workers=0",

@@ -71,3 +71,45 @@ def write_custom(root: Path, csv: bool = False) -> None:
     else:
         body = "".join(json.dumps({"image": image, "caption": caption}) + "\n" for image, caption in lines)
         (root / "captions.jsonl").write_text(body)
+
+
+def write_karpathy_like(root: Path, split_file: str, image_root: str) -> None:
+    """A Karpathy split file over 12 images, laid out as the real dataset is: for COCO (dataset_coco.json) the images
+    are in train2014/ and val2014/ under image_root, named in "filepath"; for Flickr directly in image_root, with no
+    "filepath". Splits: 6 train, 2 restval, 2 val, 2 test."""
+    coco = "coco" in split_file
+    images = []
+    for i, split in enumerate(["train"] * 6 + ["restval"] * 2 + ["val"] * 2 + ["test"] * 2):
+        name = list(CAPTIONS)[i % len(CAPTIONS)]
+        item = {"filename": f"{i:03d}_{name}", "split": split, "imgid": i, "sentences": []}
+        folder = root / image_root
+        if coco:
+            item["filepath"] = "train2014" if split in ("train", "restval") else "val2014"
+            item["cocoid"] = 1000 + i
+            folder = folder / item["filepath"]
+        folder.mkdir(parents=True, exist_ok=True)
+        photo(name.split(".")[0]).resize((96, 96)).save(folder / item["filename"])
+        item["sentences"] = [{"raw": c, "tokens": c.split()} for c in CAPTIONS[name]]
+        images.append(item)
+    if coco:  # the folders that a downloaded and extracted COCO has, whichever split file names them
+        for part in ("train2014", "val2014"):
+            (root / part).mkdir(parents=True, exist_ok=True)
+    (root / split_file).write_text(json.dumps({"images": images, "dataset": "coco" if coco else "flickr8k"}))
+
+
+def write_for_config(data: dict, cwd: Path) -> None:
+    """Fixture data, in its dataset's own format, where a config's `data` section looks for it (relative to cwd).
+    The built-in shapes set needs none."""
+    args = data.get("init_args", {})
+    if data["class_path"].endswith("ShapesDataModule"):
+        return
+    root = cwd / args["data_dir"]
+    fmt = args.get("format", "karpathy")
+    if fmt == "karpathy":
+        write_karpathy_like(root, args.get("split_file", "dataset_coco.json"), args.get("image_root", "."))
+    elif fmt == "custom":
+        assert args.get("captions_file", "captions.jsonl") == "captions.jsonl" and args.get("image_dir") == "images"
+        write_custom(root)
+    else:
+        assert fmt == "coco" and args.get("year", 2014) == 2014, f"no fixture for {fmt} {args.get('year')}"
+        write_coco(root)

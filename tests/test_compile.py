@@ -60,6 +60,7 @@ def test_fit_with_compile_decoder_and_no_cpp_compiler_is_one_line(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # stopped before training
 
 
+@pytest.mark.slow  # 30-100 s of compiling, depending on Inductor's cache
 def test_fit_with_a_compiled_decoder_trains_and_decodes_as_the_eager_decoder_does(tmp_path):
     """A fast_dev_run fit and validation through Lightning with `--model.compile_decoder=true`, then the trained
     weights in an eager decoder: teacher forcing (loss and gradients) and greedy and beam search must agree, with

@@ -2,13 +2,15 @@
 
 import hashlib
 import io
+import os
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from captioner.data.download import DownloadError, download, fetch_and_extract
+from captioner.data.download import DownloadError, download, extract, fetch_and_extract
 
 
 class RangeHandler(BaseHTTPRequestHandler):
@@ -140,3 +142,51 @@ def test_coco_datamodule_downloads_what_is_missing_before_building_its_vocabular
     assert len(data.split("val")) == 1
     assert (tmp_path / "coco" / "train2014" / "coffee.jpg").is_file()
     assert not (tmp_path / "coco" / "downloads").exists()  # archives removed after extraction
+
+
+URLS = {"train2014": "http://127.0.0.1:9/train2014.zip"}  # never asked: the archive is downloaded already
+
+
+def test_an_interrupted_extraction_is_extracted_again_by_the_next_run(tmp_path, monkeypatch):
+    members = {f"train2014/{i:03d}.jpg": bytes([i]) * 100 for i in range(20)}
+    archive = tmp_path / "downloads" / "train2014.zip"
+    archive.parent.mkdir()
+    archive.write_bytes(zip_of(members))
+    marker = tmp_path / "train2014"
+    real_extractall = zipfile.ZipFile.extractall
+
+    def killed_halfway(self, path):  # as a kill in the middle of a long unzip: half the files are on disk
+        real_extractall(self, path, members=self.namelist()[:10])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        fetch_and_extract("train2014", URLS, tmp_path, marker)
+    assert not marker.exists()  # so the next run does not take the half as the whole
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", real_extractall)
+    fetch_and_extract("train2014", URLS, tmp_path, marker)  # the archive is there already
+    assert sorted(p.name for p in marker.iterdir()) == sorted(Path(m).name for m in members)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["downloads", "train2014"]  # no staging folder left
+
+
+def test_extraction_into_an_existing_folder_moves_the_marker_last(tmp_path, monkeypatch):
+    (tmp_path / "annotations").mkdir()
+    (tmp_path / "annotations" / "instances_train2014.json").write_text("{}")  # from another archive
+    files = {f"annotations/captions_{part}2014.json": b"{}" for part in ("val", "train")}
+    archive = tmp_path / "annotations.zip"
+    archive.write_bytes(zip_of(files))
+    marker = tmp_path / "annotations" / "captions_train2014.json"
+    moved, real_replace = [], os.replace
+
+    def replace(source, target):
+        moved.append(Path(target).name)
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    extract(archive, tmp_path, marker)
+    assert moved == ["captions_val2014.json", "captions_train2014.json"]
+    assert sorted(p.name for p in (tmp_path / "annotations").iterdir()) == [
+        "captions_train2014.json",
+        "captions_val2014.json",
+        "instances_train2014.json",
+    ]

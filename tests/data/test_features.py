@@ -7,6 +7,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 from functools import partial
 
 import numpy as np
@@ -17,6 +19,7 @@ from captioner.data import features
 from captioner.data.datamodules import ShapesDataModule
 from captioner.data.features import FeatureCache, reserve
 from captioner.models.encoder import Encoder
+from tests.conftest import tiny_fit_args
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +155,35 @@ def test_reserving_the_arrays_blocks_ignores_only_what_the_file_system_cannot_do
     monkeypatch.setattr(os, "posix_fallocate", partial(fallocate, error=errno.ENOSPC), raising=False)
     with pytest.raises(OSError, match="No space left"):
         reserve(path)
+
+
+def test_two_runs_started_at_once_on_one_data_dir_build_each_cache_once(tmp_path):
+    """Two `captioner fit` processes need the same caches: one builds each (its progress bar says so), the other
+    waits on the cache's lock file and then reads it. Without the lock both would build, each into its own temporary
+    file, both renamed into place."""
+    data = tmp_path / "data"
+
+    def start(name: str) -> subprocess.Popen:
+        args = [*tiny_fit_args(tmp_path / name), f"--data.init_args.data_dir={data}", "--trainer.max_epochs=1"]
+        return subprocess.Popen(
+            [sys.executable, "-m", "captioner.cli", "fit", *args],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+
+    runs = [start("a"), start("b")]
+    stderr = [run.communicate(timeout=600)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], stderr
+    caches = sorted((data / "features").iterdir())
+    assert [path.name.split("-")[2] for path in caches if not path.name.startswith(".")] == ["train", "val"]
+    for split in ("train", "val"):  # each built by one process
+        assert sum(bool(re.search(rf"caching shapes-v\d+-{split}-", err)) for err in stderr) == 1, split
+    module = ShapesDataModule(str(data), train_size=64, val_size=16, test_size=16)
+    encoder = Encoder("efficientnet_lite0")
+    for split in ("train", "val"):
+        cache = FeatureCache(data / "features", encoder, module.split(split))
+        assert cache.problem() is None and sorted(p.name for p in cache.dir.iterdir()) == [
+            "annotations.npy",
+            "meta.json",
+        ]

@@ -1,0 +1,100 @@
+"""A run killed with SIGKILL resumes from last.ckpt as if it had never stopped; a kill while a checkpoint is being
+written leaves the previous checkpoint whole."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from captioner.cli import run_lightning_cli
+from tests.conftest import tiny_fit_args
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS_PER_EPOCH = 4  # configs/debug.yaml: limit_train_batches
+EPOCHS = 3
+
+
+def fit_process(root: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`captioner fit` on configs/debug.yaml in its own process, every file under root (the data under data)."""
+    args = [*tiny_fit_args(root, f"--trainer.max_epochs={EPOCHS}"), f"--data.init_args.data_dir={data}", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # for tests.callbacks
+    command = [sys.executable, "-m", "captioner.cli", "fit", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def steps(path: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
+    data = tmp_path / "data"
+    uninterrupted = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "whole", f"--trainer.max_epochs={EPOCHS}")])
+    weights = uninterrupted.trainer.lightning_module.state_dict()
+    # the same run, killed two steps into its second epoch, after last.ckpt was written at the end of the first
+    kill_at = STEPS_PER_EPOCH + 2
+    record = ["--trainer.callbacks+=tests.callbacks.StepRecorder", f"--trainer.callbacks.path={tmp_path / 'steps'}"]
+    killed = fit_process(tmp_path / "run", data, *record, f"--trainer.callbacks.kill_at_step={kill_at}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["global_step"]) == (0, STEPS_PER_EPOCH)
+
+    resumed = fit_process(tmp_path / "run", data, *record, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    done = steps(tmp_path / "steps")
+    first_run, second_run = done[:kill_at], done[kill_at:]
+    assert first_run == [(step // STEPS_PER_EPOCH, step + 1) for step in range(kill_at)]
+    # the second run starts where last.ckpt ends, at the second epoch's first step: no epoch is trained twice, and
+    # only the two steps after the checkpoint are done again
+    total = EPOCHS * STEPS_PER_EPOCH
+    assert second_run == [(step // STEPS_PER_EPOCH, step + 1) for step in range(STEPS_PER_EPOCH, total)]
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["global_step"]) == (EPOCHS - 1, total)
+    logged = [row for row in csv.DictReader(next((tmp_path / "run" / "logs").rglob("version_1/metrics.csv")).open())]
+    assert sorted({int(row["epoch"]) for row in logged if row.get("val/bleu4")}) == list(range(1, EPOCHS))
+    # The same weights: the optimizer, the plateau schedule and early stopping come back from last.ckpt, and so do
+    # the random generators, so the resumed epochs shuffle the data and draw dropout masks as the first run did.
+    for name, tensor in weights.items():
+        torch.testing.assert_close(state["state_dict"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+KILL_WHILE_WRITING = """
+import os, signal, sys, torch
+from captioner.lightning_cli import AtomicCheckpointIO
+
+checkpoint = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+checkpoint["global_step"] += 1  # a newer checkpoint than the one on disk
+save = torch.save
+
+def torn_save(obj, file):  # write half of the checkpoint, then die
+    import io
+    buffer = io.BytesIO()
+    save(obj, buffer)
+    file.write(buffer.getvalue()[: buffer.tell() // 2])
+    file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = torn_save
+AtomicCheckpointIO().save_checkpoint(checkpoint, sys.argv[1])
+"""
+
+
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_whole(tmp_path):
+    run_lightning_cli(["fit", *tiny_fit_args(tmp_path)])
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    command = [sys.executable, "-c", KILL_WHILE_WRITING, str(last)]
+    killed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert last.read_bytes() == before  # untouched: the torn half went to a temporary file beside it
+    assert 0 < (tmp_path / "checkpoints" / ".last.ckpt.part").stat().st_size < len(before)
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 4
+    resumed = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, "--trainer.max_epochs=2", "--ckpt_path=last")])
+    assert resumed.trainer.global_step == 8  # `--ckpt_path last` found last.ckpt, not the torn file

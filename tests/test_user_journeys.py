@@ -1,0 +1,96 @@
+"""Every config in configs/ as a user runs it: `captioner fit --config configs/X.yaml` from a project folder holding
+that dataset in its own format, then test, evaluate, predict and caption on what fit wrote.
+
+The shipped config is used as it is, logger and checkpointing included; the command line overrides only sizes (a
+tiny model, tiny splits, small batches, two epochs). One setting that these machines cannot honour is overridden too,
+where a config asks for it: pretrained torchvision weights, which cannot be downloaded here.
+A new config is covered by adding it: its fixture data is written from its own `data` section (tests.datasets).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from captioner.cli import main, run_lightning_cli
+from tests.datasets import write_for_config
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+SIZES = ["--trainer.max_epochs=2", "--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
+SHAPES_SIZES = ["--data.init_args.train_size=24", "--data.init_args.val_size=8", "--data.init_args.test_size=8"]
+
+
+def overrides(config: dict) -> tuple[list[str], list[str]]:
+    """Size overrides for fit, test and predict; and those of the data alone, for evaluate."""
+    data = ["--data.init_args.batch_size=4"]
+    if config["data"]["class_path"].endswith("ShapesDataModule"):
+        data += SHAPES_SIZES
+    machine = []
+    if config["model"].get("backbone", "").startswith("resnet") and config["model"].get("pretrained", True):
+        machine.append("--model.pretrained=false")  # torchvision's weights cannot be downloaded on these machines
+    return [*SIZES, *data, *machine], data
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp_path, monkeypatch, capsys):
+    config = yaml.safe_load(path.read_text())
+    write_for_config(config["data"], tmp_path)
+    monkeypatch.chdir(tmp_path)  # the config's relative paths (data, checkpoints, logs) land here, as for a user
+    args, data_args = overrides(config)
+
+    fit = run_lightning_cli(["fit", "--config", str(path), *args])
+    checkpoints = Path(config["checkpoint"]["dirpath"])
+    best, last = checkpoints / "best.ckpt", checkpoints / "last.ckpt"
+    assert best.is_file() and last.is_file()
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["global_step"]) == (fit.trainer.current_epoch - 1, fit.trainer.global_step)
+    assert state["epoch"] == 1  # two epochs: last.ckpt is the second's, whatever the monitored metric did
+    logger = config["trainer"]["logger"]["init_args"]
+    log_dir = Path(logger["save_dir"]) / logger["name"] / "version_0"
+    assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["vocab"][:3] == ["<pad>", "<start>", "<end>"]
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    monitor = config["checkpoint"].get("monitor", "val/bleu4")  # the CLI's default
+    assert [int(r["epoch"]) for r in rows if r.get(monitor)] == [0, 1]
+
+    test = run_lightning_cli(["test", "--config", str(path), *args, f"--ckpt_path={best}"])
+    assert 0.0 <= float(test.trainer.callback_metrics["test/bleu4"]) <= 1.0
+    test_split = test.datamodule.split("test")
+
+    capsys.readouterr()
+    evaluation = Path("evaluation")
+    main(["evaluate", "--config", str(path), "--checkpoint", str(best), "--output", str(evaluation), *data_args])
+    scores = json.loads((evaluation / "metrics.json").read_text())
+    meteor = ["METEOR"] if shutil.which("java") else []  # CI has Java
+    assert sorted(scores) == sorted(["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", *meteor, "ROUGE_L", "CIDEr"])
+    assert all(0.0 <= v <= 10.0 for v in scores.values())
+    assert "SPICE: skipped" in capsys.readouterr().out
+    captions = json.loads((evaluation / "captions.json").read_text())
+    assert len(captions) == len({c["image_id"] for c in captions}) == len(test_split)
+
+    predictions = Path("predictions.jsonl")
+    run_lightning_cli(
+        ["predict", "--config", str(path), *args, f"--ckpt_path={best}", f"--predictions.output={predictions}"]
+    )
+    records = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(len(test_split)))
+    assert all(isinstance(r["caption"], str) for r in records)  # a model trained this little may say nothing
+    if "--model.pretrained=false" not in args:  # an untrained ResNet's features overflow the float16 feature cache
+        assert all(r["score"] <= 0.0 for r in records), records
+
+    images = Path("to_caption")
+    images.mkdir()
+    for i in range(min(3, len(test_split))):
+        test_split.load_image(i).save(images / f"{i}.png")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["caption", str(images), "--checkpoint", str(best)])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sorted(Path(line.split("\t")[0]).name for line in lines) == sorted(p.name for p in images.iterdir())
