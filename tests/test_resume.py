@@ -18,11 +18,18 @@ from tests.conftest import tiny_fit_args
 REPO = Path(__file__).resolve().parent.parent
 STEPS_PER_EPOCH = 4  # configs/debug.yaml: limit_train_batches
 EPOCHS = 3
+# A plateau schedule that halves the learning rate at every validation whose CIDEr is not a new best: in this run it
+# does so after epochs 1 and 2, so the schedule's state in last.ckpt decides the resumed run's learning rates.
+SCHEDULE = ["--model.decoder_lr=0.01", "--model.lr_patience=0", "--model.lr_monitor=val/cider"]
 
 
 def fit_process(root: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
     """`captioner fit` on configs/debug.yaml in its own process, every file under root (the data under data)."""
-    args = [*tiny_fit_args(root, f"--trainer.max_epochs={EPOCHS}"), f"--data.init_args.data_dir={data}", *extra]
+    args = [
+        *tiny_fit_args(root, f"--trainer.max_epochs={EPOCHS}", *SCHEDULE),
+        f"--data.init_args.data_dir={data}",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # for tests.callbacks
     command = [sys.executable, "-m", "captioner.cli", "fit", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -34,7 +41,9 @@ def steps(path: Path) -> list[tuple[int, int]]:
 
 def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     data = tmp_path / "data"
-    uninterrupted = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "whole", f"--trainer.max_epochs={EPOCHS}")])
+    uninterrupted = run_lightning_cli(
+        ["fit", *tiny_fit_args(tmp_path / "whole", f"--trainer.max_epochs={EPOCHS}", *SCHEDULE)]
+    )
     weights = uninterrupted.trainer.lightning_module.state_dict()
     # the same run, killed two steps into its second epoch, after last.ckpt was written at the end of the first
     kill_at = STEPS_PER_EPOCH + 2
@@ -56,6 +65,7 @@ def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_to_the_same_weights(tmp_p
     assert second_run == [(step // STEPS_PER_EPOCH, step + 1) for step in range(STEPS_PER_EPOCH, total)]
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert (state["epoch"], state["global_step"]) == (EPOCHS - 1, total)
+    assert state["lr_schedulers"][0]["_last_lr"] == [0.01 / 4]
     logged = [row for row in csv.DictReader(next((tmp_path / "run" / "logs").rglob("version_1/metrics.csv")).open())]
     assert sorted({int(row["epoch"]) for row in logged if row.get("val/bleu4")}) == list(range(1, EPOCHS))
     # The same weights: the optimizer, the plateau schedule and early stopping come back from last.ckpt, and so do

@@ -52,6 +52,9 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert (state["epoch"], state["global_step"]) == (fit.trainer.current_epoch - 1, fit.trainer.global_step)
     assert state["epoch"] == 1  # two epochs: last.ckpt is the second's, whatever the monitored metric did
+    shipped = {c["class_path"].rsplit(".", 1)[1] for c in config["trainer"].get("callbacks", [])}
+    assert {key.split("{")[0] for key in state["callbacks"]} >= shipped | {"ModelCheckpoint"}  # early stopping's too
+    assert state["optimizer_states"] and "rng_states" in state
     logger = config["trainer"]["logger"]["init_args"]
     log_dir = Path(logger["save_dir"]) / logger["name"] / "version_0"
     assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["vocab"][:3] == ["<pad>", "<start>", "<end>"]
