@@ -23,10 +23,8 @@ from PIL import Image
 from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
-from captioner.models.decoder import check_compiler
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.show_attend_tell import ShowAttendTell
-from captioner.precision import check_precision, decoding
-from captioner.runtime import keep_more_onednn_kernels
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}
@@ -47,7 +45,9 @@ class CaptionResult:
 
 
 def _model_kwargs(hparams: dict) -> dict:
-    names = set(inspect.signature(ShowAttendTell).parameters) - {"vocab_size"}
+    """The model's options among a checkpoint's hyper-parameters (ShowAttendTell's, and its decoder's)."""
+    names = {*inspect.signature(ShowAttendTell).parameters, *inspect.signature(AttentionDecoder).parameters}
+    names -= {"vocab_size", "encoder_dim", "num_pixels", "decoder_options"}
     return {k: v for k, v in hparams.items() if k in names}
 
 
@@ -63,11 +63,10 @@ def _read(path: Path) -> dict:
 class Captioner:
     """A ShowAttendTell model with its vocabulary, ready to caption images.
 
-    `device` defaults to CUDA when present. `precision` is "32-true" (default), "bf16-mixed" or "16-mixed": the
-    encoder and the search run under autocast to that type (see `captioner.precision`); the weights stay float32,
-    and the scores and attention maps returned are float32. `compile_decoder` compiles the decoder's per-word
-    methods with torch.compile (`AttentionDecoder.compile_steps`): tens of seconds of compiling at the first captions
-    (14-44 s on a 2-core CPU), for faster search of single images.
+    The model is for inference only: its encoder's BatchNorms are folded into its convolutions
+    (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the decoder's
+    per-word methods with torch.compile (`AttentionDecoder.compile_steps`): tens of seconds of compiling at the first
+    captions, for a faster search of single images; on a CPU it needs a C++ compiler.
     """
 
     def __init__(
@@ -75,15 +74,12 @@ class Captioner:
         model: ShowAttendTell,
         vocab: Vocabulary,
         device: torch.device | str | None = None,
-        precision: str = "32-true",
         compile_decoder: bool = False,
     ):
-        keep_more_onednn_kernels()  # decoding's shrinking batch gives many matmul shapes; see captioner.runtime
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.precision = check_precision(precision)
         self.model = model.eval().to(self.device)
+        self.model.encoder.fold_batchnorm()
         if compile_decoder:
-            check_compiler(self.device)
             self.model.decoder.compile_steps()
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()
@@ -93,12 +89,10 @@ class Captioner:
         cls,
         checkpoint: str | Path = "shapes",
         device: torch.device | str | None = None,
-        precision: str = "32-true",
         compile_decoder: bool = False,
     ) -> Captioner:
         """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
         checkpoint (.ckpt)."""
-        check_precision(precision)  # before reading a large checkpoint
         path = BUNDLED.get(str(checkpoint), Path(checkpoint))
         if str(checkpoint) in BUNDLED and not path.exists():
             raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
@@ -126,7 +120,7 @@ class Captioner:
             missing = set(model.state_dict()) - set(weights)
             if any(not k.startswith("encoder.") for k in missing):
                 raise CaptionerError(f"{path}: decoder weights are incomplete")
-        return cls(model, Vocabulary(vocab), device, precision, compile_decoder)
+        return cls(model, Vocabulary(vocab), device, compile_decoder)
 
     def iter_captions(
         self,
@@ -179,7 +173,7 @@ class Captioner:
         if not batch:
             return
         x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
-        with decoding(self.precision, self.device):
+        with torch.inference_mode():
             out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
         for (source, image), tokens, score, alphas in zip(batch, out.tokens, out.scores, out.alphas, strict=True):
             words = self.vocab.decode_tokens(tokens.tolist())

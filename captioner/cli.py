@@ -8,8 +8,8 @@ and demo.
     captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
-`error: ...` line on stderr and exit status 2, never a traceback. captioner's own warnings (bf16-mixed on a CPU that
-emulates bfloat16, say) are one `warning: ...` line each.
+`error: ...` line on stderr and exit status 2, never a traceback. captioner's own warnings are one `warning: ...` line
+each.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING
 from jsonargparse import ArgumentError
 
 from captioner.errors import CaptionerError, CaptionerWarning, ConfigError
-from captioner.precision import PRECISIONS, decoding
-from captioner.runtime import keep_freed_memory, keep_more_onednn_kernels
 
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
@@ -112,15 +110,6 @@ def demo(argv: list[str]) -> None:
     print(f"val/bleu4={metrics['val/bleu4']:.3f}")
 
 
-def _add_precision_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="32-true",
-        help="autocast to bfloat16/float16; bf16-mixed is faster on CPUs with native bfloat16, a few captions differ",
-    )
-
-
 def caption(argv: list[str]) -> int:
     """Caption image files and folders; print `path<TAB>caption` (or JSON lines). Exit status 1 if any file failed."""
     parser = argparse.ArgumentParser(prog="captioner caption", description=caption.__doc__)
@@ -131,7 +120,6 @@ def caption(argv: list[str]) -> int:
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     parser.add_argument("--json", action="store_true", help="one JSON object per line: path, caption, tokens, score")
-    _add_precision_argument(parser)
     args = parser.parse_args(argv)
     if args.beam_size < 1 or args.batch_size < 1:
         raise ConfigError("--beam-size and --batch-size must be positive")
@@ -141,7 +129,7 @@ def caption(argv: list[str]) -> int:
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    captioner = Captioner.load(args.checkpoint, precision=args.precision)
+    captioner = Captioner.load(args.checkpoint)
     failed = 0
     results = captioner.iter_captions(find_images(args.paths), args.beam_size, args.batch_size, args.max_len)
     for index, result in enumerate(results):
@@ -201,7 +189,6 @@ def evaluate(argv: list[str]) -> None:
     parser.add_argument("--beam-size", type=int, default=3)
     parser.add_argument("--max-len", type=int, default=30)
     parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
-    _add_precision_argument(parser)
     args, overrides = parser.parse_known_args(argv)
 
     import torch
@@ -221,8 +208,7 @@ def evaluate(argv: list[str]) -> None:
         if batch is None:
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
-        with decoding(args.precision, module.device):  # the model only: collate must not run under autocast
-            generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
+        generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
         for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
             image_id = source.image_id(index) if hasattr(source, "image_id") else index
             hypotheses[image_id] = module.vocab.decode(tokens)
@@ -274,8 +260,6 @@ def _show_captioner_warnings_as_one_line() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     _show_captioner_warnings_as_one_line()
-    keep_freed_memory()  # see captioner.runtime; CAPTIONER_KEEP_FREED_MEMORY=0 turns it off
-    keep_more_onednn_kernels()  # see captioner.runtime; ONEDNN_PRIMITIVE_CACHE_CAPACITY overrides it
     try:
         command = argv[0] if argv else None
         if command == "demo":

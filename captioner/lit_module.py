@@ -8,15 +8,12 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from captioner.data.shapes import attention_correctness
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
-from captioner.metrics import attention_correctness, bleu, cider
-from captioner.models.decoder import check_compiler
+from captioner.metrics import bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
-from captioner.precision import cast_weights_once, warn_if_bfloat16_is_slow
-from captioner.runtime import keep_more_onednn_kernels
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
@@ -55,50 +52,12 @@ def gather(records: list) -> list:
     return [record for part in everyone for record in part]
 
 
-def caption_loss(
-    logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor, alpha_c: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The paper's objective (eq. 14), averaged over the batch.
-
-        L = -log P(y | x) + alpha_c * sum_i (1 - sum_t alpha_ti)^2
-
-    Args:
-        logits: (B,T,V) predictions for `targets`.
-        targets: (B,T) word ids, <pad> (0) after each caption's <end>.
-        alphas: (B,T,P) attention weights.
-        alpha_c: lambda, the weight of the doubly stochastic term.
-
-    Returns:
-        loss, the negative log-likelihood per word (for logging), and the doubly stochastic term (unweighted).
-        Padded steps count in none of them, whatever their logits or alphas hold.
-    """
-    mask = targets != Vocabulary.pad_index  # (B,T)
-    B = targets.size(0)
-    nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # over real words only
-    attention_total = (alphas * mask.unsqueeze(-1)).sum(dim=1)  # (B,P): sum_t alpha_ti over real steps
-    doubly_stochastic = ((1.0 - attention_total) ** 2).sum(dim=1).mean()
-    loss = nll / B + alpha_c * doubly_stochastic
-    return loss, nll / mask.sum(), doubly_stochastic
-
-
 class CaptioningModule(L.LightningModule):
     """Trains and evaluates a ShowAttendTell model.
 
     Args:
         vocab: the vocabulary's words in id order (linked from the datamodule; stored in every checkpoint).
-        backbone: encoder backbone, see `captioner.models.encoder.BACKBONES`.
-        pretrained: load the backbone's ImageNet weights.
-        grid_size: pool the feature map to grid_size x grid_size annotations (None: the backbone's native grid).
-        image_size: input side in pixels (None: the backbone's default).
         fine_tune_blocks: unfreeze the encoder's last N stages (0: frozen, as in the paper).
-        embed_dim: word embedding size M.
-        decoder_dim: LSTM size D.
-        attention_dim: additive attention size A.
-        attention: "additive" (the paper's), "dot" or "general".
-        dropout: dropout before the deep output layer.
-        gate: "scalar" (the paper's beta), "channel" or "none".
-        position_embedding: add learned grid-position embeddings to the annotations (not in the paper).
-        alpha_c: lambda, weight of the doubly stochastic attention term (the paper uses 1).
         encoder_lr: learning rate of the unfrozen encoder stages.
         decoder_lr: learning rate of the decoder.
         weight_decay: Adam weight decay.
@@ -109,27 +68,13 @@ class CaptioningModule(L.LightningModule):
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
-        compile_decoder: compile the decoder's per-word methods with torch.compile (not in the paper; off by default:
-            in benchmarks/compile_step.py it made neither batches nor training steps faster, see
-            `AttentionDecoder.compile_steps`). On a CPU it needs a C++ compiler; without one, `setup` says so.
+        **model_options: the model's hyper-parameters, see `ShowAttendTell` and `AttentionDecoder`.
     """
 
     def __init__(
         self,
         vocab: list[str],
-        backbone: str = "efficientnet_lite0",
-        pretrained: bool = True,
-        grid_size: int | None = None,
-        image_size: int | None = None,
         fine_tune_blocks: int = 0,
-        embed_dim: int = 512,
-        decoder_dim: int = 512,
-        attention_dim: int = 512,
-        attention: str = "additive",
-        dropout: float = 0.5,
-        gate: str = "scalar",
-        position_embedding: bool = False,
-        alpha_c: float = 1.0,
         encoder_lr: float = 1e-4,
         decoder_lr: float = 4e-4,
         weight_decay: float = 0.0,
@@ -139,12 +84,9 @@ class CaptioningModule(L.LightningModule):
         lr_patience: int = 2,
         max_caption_len: int = 30,
         beam_size: int = 3,
-        compile_decoder: bool = False,
+        **model_options,
     ):
         super().__init__()
-        keep_more_onednn_kernels()  # for training with one's own Trainer too; see captioner.runtime
-        if alpha_c < 0:
-            raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
         if encoder_lr <= 0 or decoder_lr <= 0:
             raise ConfigError(f"learning rates must be positive, got encoder_lr={encoder_lr}, decoder_lr={decoder_lr}")
         if lr_schedule not in LR_SCHEDULES:
@@ -155,32 +97,14 @@ class CaptioningModule(L.LightningModule):
         self.vocab = Vocabulary(vocab)
         self.model = ShowAttendTell(
             len(self.vocab),
-            backbone=backbone,
-            pretrained=pretrained,
-            grid_size=grid_size,
-            image_size=image_size,
-            embed_dim=embed_dim,
-            decoder_dim=decoder_dim,
-            attention_dim=attention_dim,
-            attention=attention,
-            dropout=dropout,
-            gate=gate,
-            position_embedding=position_embedding,
             pad_index=Vocabulary.pad_index,
             start_index=Vocabulary.start_index,
             end_index=Vocabulary.end_index,
+            **model_options,
         )
         self.model.encoder.fine_tune(fine_tune_blocks)
-        if compile_decoder:
-            self.model.decoder.compile_steps()
         self._decoded: list[tuple] = []  # (image index, words, references, attention masses, uniform baselines)
         self._resumed_rng_states: dict | None = None
-
-    def setup(self, stage: str) -> None:
-        if self.hparams.compile_decoder:  # a missing C++ compiler: one line now, not a traceback at the first step
-            check_compiler(self.trainer.strategy.root_device)
-        if str(self.trainer.precision).startswith("bf16"):  # bf16-mixed, bf16-true: slow on some CPUs, say so
-            warn_if_bfloat16_is_slow(self.trainer.strategy.root_device, stacklevel=1)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have."""
@@ -199,17 +123,13 @@ class CaptioningModule(L.LightningModule):
             self._resumed_rng_states = None
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
-        captions = batch["captions"]  # (B,T)
-        logits, alphas = self.model(
-            captions, batch["lengths"], images=batch.get("images"), annotations=batch.get("annotations")
-        )  # (B,T',V), (B,T',P) with T' = max length - 1
-        targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T')
-        loss, nll, doubly_stochastic = caption_loss(logits, targets, alphas, self.hparams.alpha_c)
-        B = captions.size(0)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=B)
-        self.log(f"{stage}/nll_per_word", nll, batch_size=B)
-        self.log(f"{stage}/doubly_stochastic", doubly_stochastic, batch_size=B)
-        return loss
+        images, annotations = batch.get("images"), batch.get("annotations")
+        loss = self.model(batch["captions"], batch["lengths"], images=images, annotations=annotations)
+        B = batch["captions"].size(0)
+        self.log(f"{stage}/loss", loss.loss, prog_bar=True, batch_size=B)
+        self.log(f"{stage}/nll_per_word", loss.nll_per_word, batch_size=B)
+        self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
+        return loss.loss
 
     def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor | None:
         if batch is None:  # every image of the batch was unreadable (each was reported); skip the step
@@ -221,11 +141,10 @@ class CaptioningModule(L.LightningModule):
         references."""
         if batch is None:
             return
-        with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed: once per batch, not per op
-            self._shared_step(batch, stage)
-            generation = self.model.generate(
-                images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
-            )
+        self._shared_step(batch, stage)
+        generation = self.model.generate(
+            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
+        )
         for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
             words = self.vocab.decode_tokens(tokens)
             masses, baselines = [], []
@@ -279,13 +198,12 @@ class CaptioningModule(L.LightningModule):
         self._decode_epoch_end("test")
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        with cast_weights_once(self.device):  # under Lightning's bf16-mixed / 16-mixed
-            generation = self.model.generate(
-                images=batch.get("images"),
-                annotations=batch.get("annotations"),
-                max_len=self.hparams.max_caption_len,
-                beam_size=self.hparams.beam_size,
-            )
+        generation = self.model.generate(
+            images=batch.get("images"),
+            annotations=batch.get("annotations"),
+            max_len=self.hparams.max_caption_len,
+            beam_size=self.hparams.beam_size,
+        )
         return [
             {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score)}
             for i, tokens, score in zip(batch["index"], generation.tokens.tolist(), generation.scores, strict=True)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
 
-from captioner.data.shapes import SHAPES, SIZES
 from captioner.errors import CaptionerWarning
 
 Tokens = Sequence[str]
@@ -22,52 +21,6 @@ def bleu(hypotheses: Sequence[Tokens], references: Sequence[Sequence[Tokens]], n
     with warnings.catch_warnings():  # nltk warns when a poor (e.g. untrained) model has no n-gram overlap at all
         warnings.simplefilter("ignore", UserWarning)
         return float(corpus_bleu(references, hypotheses, weights=(1.0 / n,) * n))
-
-
-def link_words_to_objects(words: Sequence[str], objects: Sequence) -> list[int]:
-    """For each generated word, the index of the object it names, or -1.
-
-    A phrase "[size] colour shape" names the object with those attributes; its words are linked only when exactly
-    one object of the image matches (an ambiguous or wrong phrase links nothing).
-    """
-    links = [-1] * len(words)
-    for t, word in enumerate(words):
-        if word not in SHAPES or t == 0:
-            continue
-        color = words[t - 1]
-        size = words[t - 2] if t >= 2 and words[t - 2] in SIZES else None
-        matches = [
-            k
-            for k, o in enumerate(objects)
-            if o.shape == word and o.color == color and (size is None or o.size == size)
-        ]
-        if len(matches) == 1:
-            for position in range(t - 1 - (size is not None), t + 1):
-                links[position] = matches[0]
-    return links
-
-
-def attention_correctness(
-    words: Sequence[str], alphas, grid_hw: tuple[int, int], objects: Sequence, image_size: tuple[int, int]
-) -> tuple[list[float], list[float]]:
-    """Attention correctness (Liu et al. 2017) on one image: for each generated word that names an object, the share
-    of its attention (upsampled to the image and normalised) inside that object's box.
-
-    Returns the per-word masses and, for the same words, the uniform-attention baseline (the box's share of the
-    image).
-    """
-    from captioner.visualize import attention_map
-
-    W, H = image_size
-    masses, baselines = [], []
-    for t, k in enumerate(link_words_to_objects(words, objects)):
-        if k < 0:
-            continue
-        x0, y0, x1, y1 = objects[k].box
-        heat = attention_map(alphas[t], grid_hw, (W, H))  # (H,W), sums to 1
-        masses.append(float(heat[y0:y1, x0:x1].sum()))
-        baselines.append((x1 - x0) * (y1 - y0) / (W * H))
-    return masses, baselines
 
 
 def coco_caption_scores(

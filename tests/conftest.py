@@ -8,17 +8,6 @@ import torch
 from captioner.models.encoder import Encoder
 
 
-def cast_count(shape: tuple[int, ...], fn) -> int:
-    """How many times running `fn` cast a tensor of `shape` to another dtype (torch profiler)."""
-    with torch.profiler.profile(record_shapes=True) as profiler:
-        fn()
-    return sum(
-        e.count
-        for e in profiler.key_averages(group_by_input_shape=True)
-        if e.key == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == list(shape)
-    )
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -55,17 +55,6 @@ def test_impossible_decoding_settings_are_one_line(tiny_model, tmp_path):
         assert line.startswith("error: ") and message in line
 
 
-def test_precision_option(tiny_model, tmp_path):
-    image = write_good_images(tmp_path / "x")[0]
-    result = run(str(image), "--checkpoint", tiny_model, "--precision", "bf16-mixed")
-    assert result.returncode == 0, result.stderr
-    (line,) = result.stdout.splitlines()
-    assert line.split("\t")[0] == str(image) and line.split("\t")[1].strip()
-    result = run(str(image), "--checkpoint", tiny_model, "--precision", "fp8")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "argument --precision: invalid choice: 'fp8'" in result.stderr.splitlines()[-1]
-
-
 def test_captioning_imports_neither_lightning_nor_nltk(tiny_model, tmp_path):
     """They take seconds to import, and `captioner caption` needs neither (benchmarks/caption_cli.py times start-up)."""
     image = write_good_images(tmp_path / "x")[0]

@@ -2,7 +2,6 @@ import json
 import subprocess
 import sys
 import warnings
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,10 +9,9 @@ import torch
 import yaml
 from PIL import Image
 
-from captioner import precision
 from captioner.cli import _show_captioner_warnings_as_one_line, main, run_lightning_cli
 from captioner.errors import CaptionerWarning
-from tests.conftest import cast_count, tiny_fit_args
+from tests.conftest import tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -137,21 +135,3 @@ def test_predict_writes_captions_as_json_lines(tmp_path):
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(16))  # every test image of configs/debug.yaml, in order
     assert all(r["caption"].strip() and r["score"] < 0 for r in records)
-
-
-def test_mixed_precision_fit_runs_through_lightnings_precision_setting(tmp_path, monkeypatch):
-    """`trainer.precision` is Lightning's: bf16-mixed autocasts on a CPU (16-mixed is the GPU setting in
-    configs/coco_resnet101.yaml), and the losses stay finite. On a CPU without fast bfloat16 the module warns."""
-    monkeypatch.setattr(precision, "cpu_has_fast_bfloat16", lambda: False)
-    with pytest.warns(UserWarning, match="^bf16-mixed emulates bfloat16 on this CPU"):
-        cli = run_lightning_cli(
-            ["fit", *tiny_fit_args(tmp_path, "--trainer.fast_dev_run=true", "--trainer.precision=bf16-mixed")]
-        )
-    assert cli.trainer.precision == "bf16-mixed"
-    metrics = cli.trainer.callback_metrics
-    assert "train/loss" in metrics and torch.isfinite(metrics["train/loss"])
-    # Lightning validates under inference mode, where autocast would cast every weight at every op; the module
-    # decodes under no_grad instead, and one validation batch (fast_dev_run) casts the LSTM's weight once
-    weight = cli.model.model.decoder.lstm.weight_ih
-    validate = partial(cli.trainer.validate, cli.model, datamodule=cli.datamodule, verbose=False)
-    assert cast_count(tuple(weight.shape), validate) == 1

@@ -7,11 +7,9 @@ exactly as the backbone was trained.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import socket
 import urllib.error
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from captioner.errors import CaptionerWarning, ConfigError, WeightsUnavailableError
+from captioner.errors import ConfigError, WeightsUnavailableError
 
 STRIDE = 32  # every registered backbone downsamples its input 32 times
 
@@ -171,51 +169,24 @@ BACKBONES: dict[str, Callable[[bool], Backbone]] = {
 }
 
 
-def fx_tracing() -> bool:
-    """Whether torch.fx.symbolic_trace is tracing (a private torch function: False in a torch without it)."""
-    check = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
-    return bool(check and check())
+def fold_batchnorm(module: nn.Module) -> int:
+    """Fold each BatchNorm in eval mode into the convolution just before it, in place; returns how many it folded.
 
-
-GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether a forward or backward hook is registered on `module` itself."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
-
-
-def batchnorm_folded(features: nn.Module) -> tuple[nn.Module, int]:
-    """A copy of `features` for inference, with each BatchNorm folded into the convolution just before it, and the
-    number of BatchNorms folded.
-
-    In eval mode a BatchNorm is a fixed per-channel affine map, so conv followed by BatchNorm is one conv with scaled
-    weights and a new bias: the same function up to float rounding, without the BatchNorm's pass over the feature map.
+    In eval mode a BatchNorm is a fixed per-channel affine map, so a convolution followed by it is one convolution
+    with scaled weights and a new bias: the same function up to float rounding, without a pass over the feature map.
     A BatchNorm is folded when the module registered just before it, under the same parent, is a Conv2d with as many
-    output channels (how timm's and torchvision's backbones lay them out); timm's BatchNormAct2d keeps its activation.
-    The copy is checked against the original before use (`Encoder`).
+    output channels, as timm and torchvision lay them out; timm's BatchNormAct2d keeps its activation.
     """
-    folded = copy.deepcopy(features)
-    count = 0
-
-    def visit(parent: nn.Module) -> None:
-        nonlocal count
-        previous = None
-        for name, child in list(parent.named_children()):
-            if (
-                isinstance(child, nn.BatchNorm2d)
-                and child.track_running_stats
-                and isinstance(previous, nn.Conv2d)
-                and previous.out_channels == child.num_features
-            ):
-                conv, bn = previous, child
+    count, previous = 0, None
+    for name, child in list(module.named_children()):
+        if (
+            isinstance(child, nn.BatchNorm2d)
+            and child.track_running_stats
+            and isinstance(previous, nn.Conv2d)
+            and previous.out_channels == child.num_features
+        ):
+            conv, bn = previous, child
+            with torch.no_grad():
                 scale = bn.running_var.add(bn.eps).rsqrt()
                 shift = -bn.running_mean * scale
                 if bn.affine:
@@ -223,32 +194,17 @@ def batchnorm_folded(features: nn.Module) -> tuple[nn.Module, int]:
                 bias = conv.bias if conv.bias is not None else torch.zeros_like(shift)
                 conv.weight = nn.Parameter(conv.weight * scale.view(-1, 1, 1, 1), requires_grad=False)
                 conv.bias = nn.Parameter(bias * scale + shift, requires_grad=False)
-                # timm's BatchNormAct2d applies its dropout and activation after the normalisation
-                rest = [getattr(bn, attr) for attr in ("drop", "act") if isinstance(getattr(bn, attr, None), nn.Module)]
-                setattr(parent, name, nn.Sequential(*rest) if rest else nn.Identity())
-                count += 1
-            else:
-                visit(child)
-            previous = child
-
-    with torch.no_grad():
-        visit(folded)
-    return folded, count
+            rest = [getattr(bn, a) for a in ("drop", "act") if isinstance(getattr(bn, a, None), nn.Module)]
+            setattr(module, name, nn.Sequential(*rest) if rest else nn.Identity())
+            count += 1
+        else:
+            count += fold_batchnorm(child)
+        previous = child
+    return count
 
 
 class Encoder(nn.Module):
-    """Backbone -> annotation vectors (B, P, E), frozen by default.
-
-    When the backbone runs for inference (its BatchNorms in eval mode, and either autograd off or the encoder frozen,
-    the paper's setting), it runs a copy with each BatchNorm folded into the convolution before it
-    (`batchnorm_folded`): the same annotations up to float rounding. On an Intel Xeon CPU the raw forward ran
-    1.43-1.56x as fast for efficientnet_lite0 and 1.09-1.37x for resnet50, and the bundled model's captions of 256
-    test images were all the same (benchmarks/encoder.py, docs/benchmarks.md); not measured on a GPU. The copy is made
-    on first use and again whenever the backbone's weights, dtype or device change, and checked against the backbone
-    once; it is not part of the state_dict. It costs the memory of a second set of convolution weights (12.8 MiB for
-    efficientnet_lite0, 89.6 MiB for resnet50 in benchmarks/encoder.py). While a hook is registered on the backbone or
-    one of its modules (to read its activations, say), the backbone runs as it is; `fold_batchnorm = False` (on the
-    class or an instance) always runs it as it is.
+    """Backbone -> annotation vectors (B, P, E), frozen by default (as in the paper).
 
     Args:
         backbone: a name in `BACKBONES`.
@@ -256,9 +212,6 @@ class Encoder(nn.Module):
         grid_size: adaptive-average-pool the feature map to grid_size x grid_size (None keeps the native grid).
         image_size: input side in pixels (None: the backbone's default, 224).
     """
-
-    fold_batchnorm = True
-    fold_tolerance = 1e-3  # largest |folded - original| allowed, relative to the largest |original|, in float32
 
     def __init__(
         self,
@@ -314,77 +267,14 @@ class Encoder(nn.Module):
                 module.eval()
         return self
 
-    def __getstate__(self) -> dict:
-        """The module's state for pickling and copy.deepcopy, without the folded copy: it is derived from the weights
-        and remade on first use, so `torch.save(encoder)` and a deep copy do not carry a second set of weights."""
-        state = super().__getstate__().copy()
-        state.pop("_folded", None)
-        return state
+    def fold_batchnorm(self) -> Encoder:
+        """For inference only: fold the backbone's BatchNorms into its convolutions, in place (`fold_batchnorm`), so
+        that it runs faster (docs/benchmarks.md). The state_dict's keys change with it, and the backbone can no longer
+        be trained: call it after loading the weights, on a model that will only caption (`Captioner` does)."""
+        fold_batchnorm(self.features.eval())
+        self.requires_grad_(False)
+        return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.contiguous(memory_format=torch.channels_last)
-        x = self.pool(self._inference_features()(x))  # (B,E,h,w)
-        return x.flatten(2).transpose(1, 2).contiguous()  # (B,P,E)
-
-    def _inference_features(self) -> nn.Module:
-        """The backbone to run now: its BatchNorm-folded copy where that gives the same result (see the class
-        docstring), else the backbone itself."""
-        key = self._fold_key()
-        if key is None:
-            return self.features
-        cached = self.__dict__.get("_folded")  # not an attribute nn.Module registers: kept out of the state_dict
-        if cached is None or cached[0] != key:
-            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
-                folded = self._checked_fold()
-            self.__dict__["_folded"] = cached = (key, folded)
-        return self.features if cached[1] is None else cached[1]
-
-    def _fold_key(self) -> tuple | None:
-        """None when the backbone must run as it is; else what the folded copy depends on: the storage, version
-        counter, dtype and device of every weight and buffer. One pass over the modules, as this runs at every call."""
-        if not (
-            self.fold_batchnorm
-            and (not torch.is_grad_enabled() or self.frozen)
-            and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()
-            and not fx_tracing()  # fx records calls to submodules, which the copy is not
-            and not any(getattr(nn.modules.module, name, None) for name in GLOBAL_HOOKS)
-        ):
-            return None
-        key = []
-        for module in self.features.modules():
-            if hooked(module):  # a hook expects the module it was registered on to run
-                return None
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-                return None
-            for tensor in (*module._parameters.values(), *module._buffers.values()):
-                if tensor is None:
-                    continue
-                if tensor.is_inference():  # weights made under inference_mode have no version counter
-                    return None
-                key.append((tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device))
-        return tuple(key)
-
-    def _checked_fold(self) -> nn.Module | None:
-        """The folded copy, if it matches the backbone on a small random input; None (and a warning) if it does not,
-        or if there is nothing to fold."""
-        folded, count = batchnorm_folded(self.features)
-        if not count:
-            return None
-        parameter = next(self.features.parameters())
-        generator = torch.Generator(parameter.device).manual_seed(0)  # leaves the global random state as it was
-        probe = torch.randn(2, 3, 2 * STRIDE, 2 * STRIDE, generator=generator, device=parameter.device)
-        probe = probe.to(parameter.dtype).contiguous(memory_format=torch.channels_last)
-        with torch.no_grad(), torch.autocast(parameter.device.type, enabled=False):
-            expected, got = self.features(probe).float(), folded(probe).float()
-        tolerance = self.fold_tolerance * (1 if parameter.dtype == torch.float32 else 30)
-        error = float((got - expected).abs().max()) / max(float(expected.abs().max()), 1e-6)
-        if not error <= tolerance:  # also NaN
-            warnings.warn(
-                f"{self.name}: folding BatchNorm into the convolutions changed the features (relative error "
-                f"{error:.1e}); running the backbone unfolded",
-                CaptionerWarning,
-                stacklevel=3,
-            )
-            return None
-        return folded
+        x = self.features(images.contiguous(memory_format=torch.channels_last))  # (B,E,h,w)
+        return self.pool(x).flatten(2).transpose(1, 2).contiguous()  # (B,P,E)

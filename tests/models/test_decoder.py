@@ -1,14 +1,17 @@
+import math
+
 import pytest
 import torch
+from torch import nn
 
-from captioner.lit_module import caption_loss
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.show_attend_tell import caption_loss
 
 B, P, E, V = 4, 9, 16, 20
 
 
 def make_decoder(**kwargs) -> AttentionDecoder:
-    return AttentionDecoder(V, E, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0, num_pixels=P, **kwargs)
+    return AttentionDecoder(V, E, P, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0, **kwargs)
 
 
 def batch():
@@ -51,10 +54,10 @@ def test_teacher_forcing_matches_stepping_word_by_word(position_embedding):
     a, captions, lengths = batch()
     logits, alphas = decoder(a, captions, lengths)
     for i, n in enumerate(lengths.tolist()):
-        memory, keys = decoder.prepare(a[i : i + 1])
+        keys = decoder.prepare(a[i : i + 1])
         state = decoder.init_state(a[i : i + 1])
         for t in range(n - 1):
-            step_logits, state, alpha = decoder.step(captions[i, t : t + 1], state, memory, keys)
+            step_logits, state, alpha = decoder.step(captions[i, t : t + 1], state, a[i : i + 1], keys)
             assert torch.allclose(logits[i, t], step_logits[0], atol=1e-5)
             assert torch.allclose(alphas[i, t], alpha[0], atol=1e-6)
 
@@ -74,6 +77,43 @@ def test_annotation_projection_runs_once_per_batch():
     a, captions, lengths = batch()
     decoder(a, captions, lengths)
     assert len(calls) == 1
+
+
+def set_weights(layer: nn.Linear, weight, bias) -> None:
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(weight, dtype=torch.float32))
+        layer.bias.copy_(torch.tensor(bias, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("gate", "beta"), [("scalar", [0.5, 0.5]), ("channel", [0.5, 1 / (1 + math.exp(-2))]), ("none", [1, 1])]
+)
+def test_the_gated_context_is_beta_times_the_attention_average_by_hand(gate, beta):
+    """z_t = beta_t * sum_i alpha_ti a_i, beta_t = sigmoid(f_beta(h_{t-1})) (§4.2.1), with dot scoring (E = D = 2)
+    so that e_i = h . a_i: a_1 = (ln 3, 0), a_2 = 0 and h = (1, 0) give e = (ln 3, 0), alpha = (3/4, 1/4) and the
+    average (3/4 ln 3, 0). f_beta's weights are zero, so beta = sigmoid(its bias): 1/2 for the scalar gate, and
+    (1/2, sigmoid(2)) per channel."""
+    decoder = AttentionDecoder(V, 2, 2, embed_dim=2, decoder_dim=2, attention="dot", gate=gate)
+    if decoder.f_beta is not None:
+        width = decoder.f_beta.out_features
+        set_weights(decoder.f_beta, [[0.0, 0.0]] * width, [0.0, 2.0][:width])
+    a = torch.tensor([[[math.log(3), 0.0], [0.0, 0.0]]])  # (1,2,2)
+    h = torch.tensor([[1.0, 0.0]])
+    context, alpha = decoder.attend(h, a, decoder.prepare(a))
+    assert torch.allclose(alpha, torch.tensor([[0.75, 0.25]]))
+    expected = torch.tensor([[0.75 * math.log(3) * beta[0], 0.0]])
+    assert torch.allclose(context, expected, atol=1e-6)
+
+
+def test_the_deep_output_layer_is_eq_7_by_hand():
+    """logits = L_o(E y + L_h h + L_z z): with y = (1, 2), L_h h = (0.5, 0.5), L_z z = (2, 1) the sum is (3.5, 3.5),
+    and L_o maps it to (3.5 + 3.5, 3.5 - 3.5 + 0.5) = (7, 0.5)."""
+    decoder = AttentionDecoder(2, 2, 1, embed_dim=2, decoder_dim=2, dropout=0.0)
+    set_weights(decoder.L_h, [[1.0, 0.0], [0.0, 1.0]], [0.0, 0.0])
+    set_weights(decoder.L_z, [[2.0, 0.0], [0.0, 0.0]], [0.0, 1.0])
+    set_weights(decoder.L_o, [[1.0, 1.0], [1.0, -1.0]], [0.0, 0.5])
+    logits = decoder.output(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 7.0]]))
+    assert torch.allclose(logits, torch.tensor([[7.0, 0.5]]))
 
 
 def test_loss_ignores_padded_positions():

@@ -4,9 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.decoding import beam_search, greedy_search
-from captioner.models.attention import AdditiveAttention
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoding import beam_search, greedy_search
 
 PAD, START, END, A, B, C = range(6)
 SPECIAL = {"start_index": START, "end_index": END, "pad_index": PAD}
@@ -22,7 +21,7 @@ class TableDecoder:
                 self.logits[prev, word] = math.log(p)
 
     def prepare(self, annotations):
-        return annotations, annotations
+        return annotations
 
     def init_state(self, annotations):
         zeros = annotations.new_zeros(annotations.size(0), 1)
@@ -67,7 +66,7 @@ def test_no_hypothesis_ends_returns_the_best_unfinished_one(beam_size):
 
 def random_decoder() -> AttentionDecoder:
     torch.manual_seed(0)
-    return AttentionDecoder(30, 16, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0).eval()
+    return AttentionDecoder(30, 16, 9, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0).eval()
 
 
 def test_beam_size_one_is_exactly_greedy():
@@ -140,7 +139,6 @@ def test_greedy_runs_only_the_captions_still_being_written():
         out = greedy_search(counter, annotations, max_len=12, **SPECIAL)
     assert len(set(out.lengths.tolist())) > 1
     assert counter.rows == [int((out.lengths > t).sum()) for t in range(out.tokens.size(1))]
-    assert out.decoder_rows == counter.rows
 
 
 class PerImageTableDecoder(TableDecoder):
@@ -170,7 +168,6 @@ def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
     # the attention runs it; both beams of image 0 have ended after step 2, so the image leaves.
     assert counter.attended == [2, 4, 2, 2, 2, 2]
     assert counter.rows == [2, 3, 2, 2, 2, 2]
-    assert out.decoder_rows == counter.rows
     assert out.tokens[0].tolist() == [END] + [PAD] * 5 and out.lengths.tolist() == [1, 6]
     assert out.tokens[1].tolist() == [A] * 6
     assert out.scores[0].item() == pytest.approx(math.log(0.9), abs=1e-4)
@@ -181,7 +178,8 @@ def reference_beam_search(decoder, annotations, beam_size, max_len):
     what beam_search must return with length_penalty 0. Returns (words, score) per image."""
     results = []
     for image in annotations:
-        memory, keys = decoder.prepare(image.unsqueeze(0))
+        memory = image.unsqueeze(0)
+        keys = decoder.prepare(memory)
         beams = [([], 0.0, decoder.init_state(image.unsqueeze(0)))]  # words so far, log-probability, state
         for _ in range(max_len):
             candidates = []
@@ -219,57 +217,3 @@ def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothe
     # Some steps attended over ended hypotheses that the LSTM and output layer skipped; none was fed to them.
     assert any(rows < attended for rows, attended in zip(counter.rows, counter.attended, strict=True))
     assert not any(END in words or PAD in words for words in counter.words)
-    assert out.decoder_rows == counter.rows
-
-
-@pytest.mark.parametrize("search", ["greedy", "beam"])
-def test_the_scorers_workspace_changes_no_result(monkeypatch, search):
-    """The additive scorer's reused workspace (several pieces per step, as at batch 64) gives bit for bit the results
-    of fresh memory for every piece."""
-    decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
-    decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the batch shrinks under the workspace
-    # two images per piece in greedy search, one in beam search: several pieces share the workspace in each step
-    monkeypatch.setattr(AdditiveAttention, "chunk_elements", 2 * 9 * decoder.attention.W.out_features)
-
-    def run(reuse_workspace):
-        monkeypatch.setattr(AdditiveAttention, "reuse_workspace", reuse_workspace)
-        with torch.inference_mode():
-            if search == "greedy":
-                return greedy_search(decoder, annotations, max_len=10, **SPECIAL)
-            return beam_search(decoder, annotations, beam_size=3, max_len=10, **SPECIAL)
-
-    reused, fresh = run(True), run(False)
-    for name in ("tokens", "lengths", "scores", "alphas"):
-        assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
-    assert reused.decoder_rows == fresh.decoder_rows
-
-
-@pytest.mark.parametrize("search", ["greedy", "beam"])
-def test_under_autocast_the_annotations_are_cast_once_with_the_results_of_casting_them_every_step(monkeypatch, search):
-    """`prepare` casts float32 annotations to autocast's type once per search; the key projection and the steps' bmm
-    would otherwise cast them again each. The results are bit for bit the same."""
-    decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
-    decoder.L_o.bias.data[END] += 1.0  # captions end at different steps: the cast annotations shrink with the batch
-    prepare, prepared = decoder.prepare, []
-
-    def recorded(a):
-        out = prepare(a)
-        prepared.append(out[0].dtype)
-        return out
-
-    def run():
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            if search == "greedy":
-                return greedy_search(decoder, annotations, max_len=10, **SPECIAL)
-            return beam_search(decoder, annotations, beam_size=3, max_len=10, **SPECIAL)
-
-    monkeypatch.setattr(decoder, "prepare", recorded)
-    once = run()
-    # as before: float32 annotations into the key projection and into every step, each casting them again
-    monkeypatch.setattr(decoder, "prepare", lambda a: (a, decoder.attention.project(a)))
-    every_step = run()
-    assert prepared == [torch.bfloat16]
-    for name in ("tokens", "lengths", "scores", "alphas"):
-        assert torch.equal(getattr(once, name), getattr(every_step, name)), name
-    with torch.inference_mode():  # and without autocast, prepare keeps float32
-        assert prepare(annotations)[0].dtype == torch.float32

@@ -1,8 +1,8 @@
-"""Caption generation from annotations: greedy search, batched over images, in pure torch."""
+"""Caption generation from annotations: greedy and beam search, each batched over images and hypotheses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,16 +19,12 @@ class Generation:
     lengths: (B,) number of real tokens in each row, <end> included.
     scores: (B,) sum of the log-probabilities of the real tokens.
     alphas: (B,T,P) attention of each generated token, zero after the end; float32, also under autocast.
-    decoder_rows: rows the decoder's LSTM and output layer ran at each step (captions, or hypotheses, still being
-        written): what the shrinking batch saves, for profiling. Beam search's attention also runs the ended
-        hypotheses of the images still searching.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     scores: torch.Tensor
     alphas: torch.Tensor
-    decoder_rows: list[int] = field(default_factory=list)
 
 
 def greedy_search(
@@ -47,17 +43,16 @@ def greedy_search(
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
     B, P, _ = annotations.shape
     device = annotations.device
-    h, c = decoder.init_state(annotations)
-    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K)
+    h, c = decoder.init_state(annotations)  # (B,D) each
+    keys = decoder.prepare(annotations)  # (B,P,K)
     alive = torch.arange(B, device=device)  # the captions still being written, and the rows of h, c, annotations
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
     out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
     out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
-    steps, decoder_rows = 0, []
+    steps = 0
     for t in range(max_len):
-        decoder_rows.append(tokens.size(0))
         logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
         log_probs = F.log_softmax(logits.float(), dim=-1)
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
@@ -74,7 +69,7 @@ def greedy_search(
             keep = running.nonzero().squeeze(1)
             alive, tokens, h, c = alive[keep], tokens[keep], h[keep], c[keep]
             annotations, keys = annotations[keep], keys[keep]
-    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps], decoder_rows)
+    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
 
 
 def beam_search(
@@ -106,9 +101,9 @@ def beam_search(
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
-    annotations, keys = decoder.prepare(annotations)  # (B,P,E), (B,P,K')
+    keys = decoder.prepare(annotations)  # (B,P,K')
     # The annotations and keys stay one row per image: beams only ever move within their own image, and attention
-    # broadcasts one image's memory over its hypotheses (see captioner.models.attention).
+    # broadcasts one image's annotations over its hypotheses (see captioner.models.attention).
 
     # The images still searching (A of them, G hypotheses each, rows grouped by image) ...
     alive = torch.arange(B, device=device)  # (A,)
@@ -127,11 +122,9 @@ def beam_search(
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
     input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
     carry = None  # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
-    decoder_rows = []
     for _ in range(max_len):
         A, G = scores.shape
         live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
-        decoder_rows.append(live.numel())
         some_ended = live.numel() < A * G
         if not some_ended:
             logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
@@ -205,4 +198,4 @@ def beam_search(
         out_tokens[:, t] = record_tokens[t][row]
         out_alphas[:, t] = record_alphas[t][row]
         row = record_parents[t][row]
-    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas, decoder_rows)
+    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas)
