@@ -25,7 +25,6 @@ lint: install  ## ruff lint and format check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# bf16-mixed is timed on a CPU only where it is native; BENCH_BF16=1 make bench times it anyway (benchmarks/common.py).
 bench: install  ## run every script in benchmarks/ in turn (the tables of docs/benchmarks.md); keep the machine idle
 	cd benchmarks && for script in $$(ls *.py | grep -v '^common.py$$'); do \
 		echo "== python $$script"; start=$$(date +%s); ../$(BIN)/python $$script || exit 1; \

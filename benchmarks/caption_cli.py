@@ -1,81 +1,69 @@
-"""Wall time and peak memory of `captioner caption` on 32 and on 512 images, start-up included.
+"""The `captioner caption` command as a user runs it, on a folder of 128 shapes test images (PNG files) and on one
+image: seconds from start to exit, images/s, and the peak memory of the process, with the bundled model and beam 3.
 
     python benchmarks/caption_cli.py
 
-The images are drawn shapes images saved as JPEG in a temporary folder; the command runs with the bundled model,
-beam 3, batch 16. Peak memory is the maximum resident set size of the command's process (from wait4). The 512
-images are captioned a second time with `--precision bf16-mixed` (see benchmarks/precision.py), on a CPU without native
-bfloat16 only with BENCH_BF16=1 (common.bf16_timed_on_cpu).
+Each command runs three times, taking turns; the table gives the fastest run and its peak resident memory.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import bf16_skipped, bf16_timed_on_cpu, machine, result, table
+from common import machine, table
 
 from captioner.data.shapes import ShapesDataset
 
+IMAGES = 128
 
-def run(folder: Path, precision: str = "32-true") -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one `captioner caption` run."""
-    command = [sys.executable, "-m", "captioner.cli", "caption", str(folder), "--beam-size", "3", "--batch-size", "16"]
-    command += ["--precision", precision]
+
+# `captioner caption ...`, which reports its own peak resident memory (KiB) on its last line of stderr as it exits
+COMMAND = """
+import atexit, resource, sys
+atexit.register(lambda: print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
+from captioner.cli import main
+main(sys.argv[1:])
+"""
+
+
+def run(*args: str) -> tuple[float, float]:
+    """Seconds and peak resident MiB of one `captioner caption` process."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
+    result = subprocess.run([sys.executable, "-c", COMMAND, "caption", *args], capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"captioner caption failed with status {status}")
-    return seconds, usage.ru_maxrss / 1024  # Linux reports KiB
+    if result.returncode != 0:
+        raise SystemExit(result.stderr)
+    return seconds, int(result.stderr.split()[-1]) / 1024
 
 
 def main() -> None:
-    shapes = ShapesDataset("test", 512, seed=2)
-    bf16_timed = bf16_timed_on_cpu()
-    runs = [(32, "32-true"), (512, "32-true")]
-    if bf16_timed:
-        runs.append((512, "bf16-mixed"))
-    rows, figures = [], {}
-    with tempfile.TemporaryDirectory() as root:
-        for count, precision in runs:
-            folder = Path(root) / str(count)
-            if not folder.exists():
-                folder.mkdir()
-                for i in range(count):
-                    shapes.load_image(i).save(folder / f"{i:04d}.jpg", quality=90)
-            seconds, peak = run(folder, precision)
-            figures[count, precision] = (seconds, peak)
-            rows.append(
-                {
-                    "images": count,
-                    "precision": precision,
-                    "wall s": f"{seconds:.1f}",
-                    "images/s": f"{count / seconds:.1f}",
-                    "peak RSS MiB": f"{peak:.0f}",
-                }
-            )
-    print(f"bundled shapes model, beam 3, batch 16; {machine()}\n")
+    print(f"# caption_cli.py on {machine()}\n")
+    with tempfile.TemporaryDirectory() as folder:
+        test = ShapesDataset("test", IMAGES, seed=0)
+        for i in range(IMAGES):
+            test.load_image(i).save(Path(folder) / f"{i:03d}.png")
+        one = str(Path(folder) / "000.png")
+        runs = {"one image": [], f"{IMAGES} images": []}
+        for _ in range(3):
+            runs["one image"].append(run(one))
+            runs[f"{IMAGES} images"].append(run(folder, "--batch-size", "32"))
+    rows = []
+    for name, results in runs.items():
+        seconds, peak = min(results)
+        count = 1 if name == "one image" else IMAGES
+        rows.append(
+            {
+                "command": f"captioner caption ({name})",
+                "seconds": f"{seconds:.1f}",
+                "images/s": f"{count / seconds:.1f}",
+                "peak memory (MiB)": f"{peak:.0f}",
+            }
+        )
     print(table(rows))
-    small, large = figures[32, "32-true"], figures[512, "32-true"]
-    values = {
-        "wall_32_s": f"{small[0]:.1f}",
-        "wall_512_s": f"{large[0]:.1f}",
-        "peak_32_mib": f"{small[1]:.0f}",
-        "peak_512_mib": f"{large[1]:.0f}",
-        "peak_growth": f"{large[1] / small[1] - 1:.1%}",
-    }
-    if bf16_timed:
-        bf16 = figures[512, "bf16-mixed"]
-        values.update(wall_512_bf16_s=f"{bf16[0]:.1f}", bf16_speedup_512=f"{large[0] / bf16[0]:.2f}")
-    else:
-        print(f"\n{bf16_skipped()}")
-    print(result(**values))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ and demo.
     captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
-`error: ...` line on stderr and exit status 2, never a traceback. captioner's own warnings are one `warning: ...` line
-each.
+`error: ...` line on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jsonargparse import ArgumentError
 
-from captioner.errors import CaptionerError, CaptionerWarning, ConfigError
+from captioner.errors import CaptionerError, ConfigError
 
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
@@ -240,26 +238,8 @@ def export_model(argv: list[str]) -> None:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
-def _show_captioner_warnings_as_one_line() -> None:
-    """Print CaptionerWarnings as `warning: <message>`, without the file, line and source that Python adds; leave
-    every other warning to Python's own format. Does nothing if already set up (main may run more than once)."""
-    show = warnings.showwarning
-    if getattr(show, "captioner", False):
-        return
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, CaptionerWarning):
-            print(f"warning: {message}", file=sys.stderr if file is None else file)
-        else:
-            show(message, category, filename, lineno, file, line)
-
-    showwarning.captioner = True
-    warnings.showwarning = showwarning
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _show_captioner_warnings_as_one_line()
     try:
         command = argv[0] if argv else None
         if command == "demo":

@@ -11,8 +11,3 @@ class ConfigError(CaptionerError, ValueError):
 
 class WeightsUnavailableError(CaptionerError, RuntimeError):
     """Pretrained weights are neither cached locally nor downloadable."""
-
-
-class CaptionerWarning(UserWarning):
-    """A warning about the user's setting or machine (bf16-mixed on a CPU that emulates it, an unknown
-    CAPTIONER_ONEDNN): the command-line entry point prints these as one `warning: <message>` line."""

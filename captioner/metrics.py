@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
 
-from captioner.errors import CaptionerWarning
+log = logging.getLogger(__name__)
 
 Tokens = Sequence[str]
 
@@ -47,7 +48,7 @@ def coco_caption_scores(
     if meteor is None:
         meteor = java
     if meteor and not java:
-        warnings.warn("METEOR skipped: it needs Java, which is not installed", CaptionerWarning, stacklevel=2)
+        log.warning("METEOR skipped: it needs Java, which is not installed")
         meteor = False
     if set(hypotheses) != set(references):
         raise ValueError("hypotheses and references must cover the same image ids")

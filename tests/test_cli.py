@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -9,8 +8,7 @@ import torch
 import yaml
 from PIL import Image
 
-from captioner.cli import _show_captioner_warnings_as_one_line, main, run_lightning_cli
-from captioner.errors import CaptionerWarning
+from captioner.cli import main, run_lightning_cli
 from tests.conftest import tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -95,19 +93,6 @@ def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path):
     result = run_cli(*command, "--overlays", str(taken))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: {taken}: cannot write overlays there: File exists"
-
-
-def test_the_command_prints_captioners_warnings_as_one_line_and_others_as_python_does(capsys):
-    shown = []
-    with warnings.catch_warnings():  # restores warnings.showwarning when it ends
-        warnings.simplefilter("always")
-        warnings.showwarning = lambda message, category, *args: shown.append((str(message), category))  # Python's
-        _show_captioner_warnings_as_one_line()
-        _show_captioner_warnings_as_one_line()  # as when main runs twice in a process: still one line per warning
-        warnings.warn("bf16-mixed is slow here", CaptionerWarning, stacklevel=1)
-        warnings.warn("someone else's", UserWarning, stacklevel=1)
-    assert capsys.readouterr().err == "warning: bf16-mixed is slow here\n"
-    assert shown == [("someone else's", UserWarning)]  # left to the format that was in place
 
 
 def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):

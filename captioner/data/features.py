@@ -12,6 +12,7 @@ disk) is left out, with a warning, and the datamodule gives images instead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import json
@@ -191,21 +192,17 @@ class FeatureCache:
             # had to be built first.
             generator=torch.Generator(),
         )
-        was_training = self.encoder.training
-        original_device = next(self.encoder.parameters()).device
-        self.encoder.eval().to(device)
+        # A copy with its BatchNorms folded into its convolutions: the same annotations up to float rounding, faster
+        encoder = copy.deepcopy(self.encoder).eval().fold_batchnorm().to(device)
         start, bad = 0, []
-        try:
-            with torch.inference_mode():
-                for images, ok in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
-                    rows = np.arange(start, start + len(ok))
-                    bad += rows[~ok.numpy()].tolist()  # unreadable images: their rows stay zero, marked bad
-                    if images is not None:
-                        annotations = self.encoder(images.to(device))  # (B',P,E)
-                        array[rows[ok.numpy()]] = annotations.cpu().numpy().astype(np.float16)
-                    start += len(ok)
-        finally:
-            self.encoder.train(was_training).to(original_device)
+        with torch.inference_mode():
+            for images, ok in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
+                rows = np.arange(start, start + len(ok))
+                bad += rows[~ok.numpy()].tolist()  # unreadable images: their rows stay zero, marked bad
+                if images is not None:
+                    annotations = encoder(images.to(device))  # (B',P,E)
+                    array[rows[ok.numpy()]] = annotations.cpu().numpy().astype(np.float16)
+                start += len(ok)
         return bad
 
     def bad_indices(self) -> set[int]:
