@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import lightning as L
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,26 +19,15 @@ LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch:
 
 
 def rng_states() -> dict:
-    """This process's random generators (Python, NumPy, torch, CUDA), as plain lists and tensors."""
-    numpy = np.random.get_state(legacy=False)
-    states = {
-        "python": random.getstate(),
-        "numpy": {**numpy, "state": {"key": numpy["state"]["key"].tolist(), "pos": numpy["state"]["pos"]}},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+    """The random generators that training draws from: Python's (a random caption per image) and torch's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_states(states: dict) -> None:
     random.setstate((states["python"][0], tuple(states["python"][1]), states["python"][2]))
-    numpy = states["numpy"]
-    np.random.set_state(
-        {**numpy, "state": {"key": np.array(numpy["state"]["key"], dtype=np.uint32), "pos": numpy["state"]["pos"]}}
-    )
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
+    if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
 

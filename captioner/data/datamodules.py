@@ -295,16 +295,9 @@ class ShapesDataModule(CaptionDataModule):
         seed: int = 0,
         canvas_size: int = 224,
         cache_images: bool = False,
-        batch_size: int = 64,
-        num_workers: int = 2,
-        feature_cache: bool = True,
-        train_captions: str = "all",
-        min_word_count: int = 1,
-        max_vocab_size: int = 10000,
+        **kwargs,
     ):
-        super().__init__(
-            data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count, max_vocab_size
-        )
+        super().__init__(data_dir, **kwargs)
         self.save_hyperparameters()
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.seed, self.canvas_size, self.cache_images = seed, canvas_size, cache_images
@@ -339,6 +332,7 @@ class CocoDataModule(CaptionDataModule):
         download: let prepare_data download what is missing (COCO images and annotations, Karpathy splits).
         urls: name -> URL overrides for the downloads (a mirror), see `captioner.data.download.COCO_URLS`.
         checksums: name -> SHA-256 of a download; a mismatch deletes the file and stops with an error.
+        min_word_count: words seen fewer times in the training captions become <unk>.
         **kwargs: see `CaptionDataModule`.
     """
 
@@ -357,17 +351,10 @@ class CocoDataModule(CaptionDataModule):
         download: bool = False,
         urls: dict[str, str] | None = None,
         checksums: dict[str, str] | None = None,
-        batch_size: int = 64,
-        num_workers: int = 2,
-        feature_cache: bool = True,
-        train_captions: str = "all",
         min_word_count: int = 5,
-        max_vocab_size: int = 10000,
-        augment: bool = False,
+        **kwargs,
     ):
-        super().__init__(
-            data_dir, batch_size, num_workers, feature_cache, train_captions, min_word_count, max_vocab_size, augment
-        )
+        super().__init__(data_dir, min_word_count=min_word_count, **kwargs)
         if format not in ("coco", "karpathy", "custom"):
             raise ConfigError(f"unknown dataset format {format!r}; choose coco, karpathy or custom")
         self.save_hyperparameters()
