@@ -26,8 +26,7 @@ class AdditiveAttention(nn.Module):
 
     It is computed through the identity tanh(x) = 2 sigmoid(2x) - 1, as e_ti = 2v . sigmoid(2 W a_i + 2 U h_{t-1}) +
     b - sum(v): the same function, with one pass of sigmoid over the largest tensor of a step, (B,G,P,A), instead of
-    one of tanh, whose kernel in torch ran 3.5x slower than sigmoid's on the CPU of docs/benchmarks.md. So the keys
-    are 2 W a_i.
+    one of tanh, whose CPU kernel in torch can be several times slower (docs/benchmarks.md). So the keys are 2 W a_i.
     """
 
     def __init__(self, encoder_dim: int, decoder_dim: int, attention_dim: int):
