@@ -128,8 +128,11 @@ def caption(argv: list[str]) -> int:
 
     overlays = _overlay_folder(args.overlays)
     captioner = Captioner.load(args.checkpoint)
-    failed = 0
-    results = captioner.iter_captions(find_images(args.paths), args.beam_size, args.batch_size, args.max_len)
+    paths, errors = find_images(args.paths)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    failed = len(errors)
+    results = captioner.iter_captions(paths, args.beam_size, args.batch_size, args.max_len)
     for index, result in enumerate(results):
         if isinstance(result, ImageError):
             print(f"error: {result}", file=sys.stderr, flush=True)
@@ -238,10 +241,34 @@ def export_model(argv: list[str]) -> None:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+COMMANDS = {
+    "fit": "train a model on a config's dataset (LightningCLI)",
+    "validate": "score a checkpoint on the validation split (LightningCLI)",
+    "test": "score a checkpoint on the test split (LightningCLI)",
+    "predict": "caption the test split to a JSON-lines file (LightningCLI)",
+    "caption": "caption image files and folders, optionally writing per-word attention overlays",
+    "evaluate": "score a checkpoint with the coco-caption metrics (BLEU, METEOR, ROUGE-L, CIDEr)",
+    "export": "write a small self-contained model file from a checkpoint",
+    "demo": "caption a few held-out shapes images and print val/bleu4 (what `make demo` runs)",
+}
+
+
+def overview() -> str:
+    """What `captioner`, `captioner -h` and `captioner --help` print: every subcommand, one line each."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name.ljust(width)}  {what}" for name, what in COMMANDS.items()]
+    return "\n".join(
+        ["usage: captioner <command> [options]   (captioner <command> --help for its options)", "", "commands:", *lines]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview())
+        sys.exit(0 if argv else 2)
     try:
-        command = argv[0] if argv else None
+        command = argv[0]
         if command == "demo":
             demo(argv[1:])
         elif command == "caption":

@@ -46,6 +46,20 @@ def test_missing_path_is_reported_and_fails(tiny_model, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jpg'}: file not found"
 
 
+def test_a_url_and_a_folder_without_images_are_one_line_each_and_the_rest_is_captioned(tiny_model, tmp_path):
+    (tmp_path / "empty").mkdir()
+    image = write_good_images(tmp_path / "x")[0]
+    url = "https://example.com/cat.jpg"
+    result = run(url, str(tmp_path / "empty"), str(image), "--checkpoint", tiny_model)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {url}: URLs are not supported; download the image and pass its path",
+        f"error: {tmp_path / 'empty'}: no image files in this folder (looked for .jpg, .jpeg, .png, .bmp, .gif, .tif, "
+        ".tiff, .webp, .ppm, .pgm, .jfif)",
+    ]
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == [str(image)]
+
+
 def test_impossible_decoding_settings_are_one_line(tiny_model, tmp_path):
     image = write_good_images(tmp_path / "x")[0]
     for args, message in ((["--beam-size", "100000"], "larger than the vocabulary"), (["--max-len", "0"], "max_len")):

@@ -120,3 +120,11 @@ def test_predict_writes_captions_as_json_lines(tmp_path):
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(16))  # every test image of configs/debug.yaml, in order
     assert all(r["caption"].strip() and r["score"] < 0 for r in records)
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["-h"]])
+def test_the_command_alone_or_with_help_lists_every_subcommand(args):
+    result = subprocess.run([sys.executable, "-m", "captioner.cli", *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == (2 if not args else 0) and "Traceback" not in result.stderr
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "demo"]

@@ -10,7 +10,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from captioner.errors import CaptionerError
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif"}
+SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif")
+IMAGE_SUFFIXES = set(SUFFIXES)
 
 
 class ImageError(CaptionerError):
@@ -62,12 +63,19 @@ def load_image(path: str | Path) -> Image.Image:
     raise ImageError(f"{path}: {reason}")
 
 
-def find_images(paths: list[str | Path]) -> list[Path]:
-    """Files as given, and folders searched recursively for files with an image suffix (sorted)."""
-    found = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+def find_images(paths: list[str | Path]) -> tuple[list[Path], list[ImageError]]:
+    """Files as given, and folders searched recursively for files with an image suffix (sorted); and an error for each
+    path that names no image: a URL (not supported: download the image first) or a folder with no image in it."""
+    found, errors = [], []
+    for given in map(str, paths):
+        path = Path(given)
+        if given.startswith(("http://", "https://")):
+            errors.append(ImageError(f"{given}: URLs are not supported; download the image and pass its path"))
+        elif path.is_dir():
+            images = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if not images:
+                errors.append(ImageError(f"{path}: no image files in this folder (looked for {', '.join(SUFFIXES)})"))
+            found += images
         else:
-            found.append(p)
-    return found
+            found.append(path)
+    return found, errors

@@ -41,5 +41,5 @@ def test_broken_files_raise_one_line_naming_file_and_reason(tmp_path):
 def test_find_images_recurses_into_folders_and_keeps_files(tmp_path):
     good = write_good_images(tmp_path / "a")
     (tmp_path / "a" / "readme.txt").write_text("not an image")
-    found = find_images([tmp_path / "a", tmp_path / "other.jpg"])
-    assert sorted(found[:-1]) == sorted(good) and found[-1] == tmp_path / "other.jpg"
+    found, errors = find_images([tmp_path / "a", tmp_path / "other.jpg"])
+    assert sorted(found[:-1]) == sorted(good) and found[-1] == tmp_path / "other.jpg" and errors == []
