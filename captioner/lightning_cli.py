@@ -12,11 +12,13 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
@@ -76,6 +78,38 @@ class LastCheckpoint(Checkpoint):
         # After CaptioningModule's own on_train_epoch_end (Lightning calls checkpoint callbacks last), after
         # validation, early stopping and the plateau schedule's step: the state the next epoch starts from.
         self._save(trainer)
+
+
+class AttentionImages(Callback):
+    """At the end of each validation, logs the per-word attention overlays of the first `count` validation images to
+    TensorBoard (one image per validation image: the picture, then one tile per generated word, as `captioner caption
+    --overlays` draws them), so they can be watched while a model trains. Without a TensorBoardLogger it does nothing.
+
+    Args:
+        count: how many validation images, always the same ones.
+    """
+
+    def __init__(self, count: int = 4):
+        self.count = count
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: CaptioningModule) -> None:
+        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if not boards or trainer.sanity_checking or not trainer.is_global_zero or trainer.datamodule is None:
+            return
+        from captioner.visualize import attention_grid
+
+        split = trainer.datamodule.split("val")
+        pictures = [split.load_image(i) for i in range(min(self.count, len(split)))]
+        encoder = pl_module.model.encoder
+        transform = encoder.preprocessing.transforms()
+        images = torch.stack([transform(picture) for picture in pictures]).to(pl_module.device)  # (N,3,H,W)
+        generation = pl_module.model.generate(images=images, max_len=pl_module.hparams.max_caption_len)
+        for i, (picture, tokens) in enumerate(zip(pictures, generation.tokens.tolist(), strict=True)):
+            words = pl_module.vocab.decode_tokens(tokens)
+            sheet = attention_grid(picture, words, generation.alphas[i, : len(words)].cpu(), encoder.grid_hw)
+            pixels = torch.from_numpy(np.asarray(sheet)).permute(2, 0, 1)  # (3,H,W) uint8
+            for board in boards:
+                board.experiment.add_image(f"attention/val_{i}", pixels, trainer.global_step)
 
 
 class PredictionWriter(BasePredictionWriter):

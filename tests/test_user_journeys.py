@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from captioner.cli import main, run_lightning_cli
 from tests.datasets import write_for_config
@@ -53,14 +54,23 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     assert (state["epoch"], state["global_step"]) == (fit.trainer.current_epoch - 1, fit.trainer.global_step)
     assert state["epoch"] == 1  # two epochs: last.ckpt is the second's, whatever the monitored metric did
     shipped = {c["class_path"].rsplit(".", 1)[1] for c in config["trainer"].get("callbacks", [])}
+    shipped.discard("AttentionImages")  # it has no state to keep
     assert {key.split("{")[0] for key in state["callbacks"]} >= shipped | {"ModelCheckpoint"}  # early stopping's too
     assert state["optimizer_states"] and "rng_states" in state
-    logger = config["trainer"]["logger"]["init_args"]
-    log_dir = Path(logger["save_dir"]) / logger["name"] / "version_0"
+    loggers = config["trainer"]["logger"]
+    loggers = {
+        c["class_path"].rsplit(".", 1)[1]: c["init_args"] for c in (loggers if isinstance(loggers, list) else [loggers])
+    }
+    log_dir = Path(loggers["CSVLogger"]["save_dir"]) / loggers["CSVLogger"]["name"] / "version_0"
     assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["vocab"][:3] == ["<pad>", "<start>", "<end>"]
     rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
     monitor = config["checkpoint"].get("monitor", "val/bleu4")  # the CLI's default
     assert [int(r["epoch"]) for r in rows if r.get(monitor)] == [0, 1]
+    if "TensorBoardLogger" in loggers:  # each validation's attention overlays, as images
+        board = loggers["TensorBoardLogger"]
+        (events,) = (Path(board["save_dir"]) / board["name"] / "version_0").glob("events.out.tfevents.*")
+        images = EventAccumulator(str(events), size_guidance={"images": 0}).Reload().Tags()["images"]
+        assert sorted(images) == [f"attention/val_{i}" for i in range(min(4, len(fit.datamodule.split("val"))))]
 
     test = run_lightning_cli(["test", "--config", str(path), *args, f"--ckpt_path={best}"])
     assert 0.0 <= float(test.trainer.callback_metrics["test/bleu4"]) <= 1.0

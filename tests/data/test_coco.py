@@ -1,5 +1,6 @@
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -12,14 +13,17 @@ from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
 SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
 
 
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
 def fit_args(tmp_path, config: str, *data: str, length: str = "--trainer.fast_dev_run=true") -> list[str]:
+    """`captioner fit` on a shipped config; call it from tmp_path, where the config's relative paths then land."""
     return [
         "fit",
         "--config",
-        config,
+        str(REPO / config),
         "--trainer.accelerator=cpu",
         length,
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}",
         f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
         f"--data.init_args.data_dir={tmp_path}",
@@ -65,8 +69,9 @@ def test_bad_annotations_are_counted_once_and_skipped(tmp_path, caplog):
     assert "1 caption longer than 50 words" in line
 
 
-def test_broken_image_file_does_not_stop_a_run(tmp_path):
+def test_broken_image_file_does_not_stop_a_run(tmp_path, monkeypatch):
     write_custom(tmp_path)
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "images/set0/chelsea.jpg").write_bytes(b"not a jpeg")
     main(
         fit_args(
@@ -78,7 +83,8 @@ def test_broken_image_file_does_not_stop_a_run(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["coco", "karpathy", "custom"])
-def test_fast_dev_run_on_each_format(tmp_path, fmt):
+def test_fast_dev_run_on_each_format(tmp_path, fmt, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     {"coco": write_coco, "karpathy": write_karpathy, "custom": write_custom}[fmt](tmp_path)
     config = "configs/custom.yaml" if fmt == "custom" else "configs/coco_lite0.yaml"
     extra = [
