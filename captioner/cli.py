@@ -165,7 +165,8 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
             raise ConfigError(f"{config}: no data section")
     else:
         try:
-            hparams = dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["datamodule_hyper_parameters"])
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # the weights stay unread
+            hparams = dict(state["datamodule_hyper_parameters"])
         except (KeyError, TypeError):
             raise ConfigError(f"{checkpoint}: the checkpoint does not name its data; pass --config") from None
         hparams.pop("_instantiator", None)

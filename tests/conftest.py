@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from captioner.models.encoder import Encoder
+
+REPO = Path(__file__).resolve().parent.parent  # the repository, whose configs/ the tests run
 
 
 @pytest.fixture(autouse=True)

@@ -128,3 +128,11 @@ def test_the_command_alone_or_with_help_lists_every_subcommand(args):
     assert result.returncode == (2 if not args else 0) and "Traceback" not in result.stderr
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
     assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "demo"]
+
+
+def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_model, tmp_path, capsys):
+    checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
+    main(["evaluate", "--checkpoint", str(checkpoint), "--output", str(tmp_path), "--split", "val", "--beam-size", "1"])
+    captions = json.loads((tmp_path / "captions.json").read_text())
+    assert sorted(c["image_id"] for c in captions) == list(range(16))  # configs/debug.yaml's 16 val images
+    assert "Bleu_4" in json.loads((tmp_path / "metrics.json").read_text())

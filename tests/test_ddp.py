@@ -8,14 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from captioner.cli import run_lightning_cli
-from tests.conftest import tiny_fit_args
+from tests.conftest import REPO, tiny_fit_args
 
-REPO = Path(__file__).resolve().parent.parent
 DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp"]
 ODD = ["--data.init_args.val_size=15", "--data.init_args.test_size=15"]  # the DistributedSampler pads to 16
 LEARN = ["--trainer.max_epochs=8", "--model.decoder_lr=0.01"]  # enough for a val BLEU-4 of about 0.2

@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from captioner.cli import run_lightning_cli
-from tests.conftest import tiny_fit_args
+from tests.conftest import REPO, tiny_fit_args
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS_PER_EPOCH = 4  # configs/debug.yaml: limit_train_batches
 EPOCHS = 3
 # A plateau schedule that halves the learning rate at every validation whose CIDEr is not a new best: in this run it

@@ -20,9 +20,9 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from captioner.cli import main, run_lightning_cli
+from tests.conftest import REPO
 from tests.datasets import write_for_config
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SIZES = ["--trainer.max_epochs=2", "--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
 SHAPES_SIZES = ["--data.init_args.train_size=24", "--data.init_args.val_size=8", "--data.init_args.test_size=8"]

@@ -1,6 +1,5 @@
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -8,12 +7,10 @@ from captioner.cli import main
 from captioner.data.coco import clean, read_coco, read_custom, read_karpathy
 from captioner.data.datamodules import CocoDataModule
 from captioner.errors import ConfigError
+from tests.conftest import REPO
 from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
 
 SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
-
-
-REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def fit_args(tmp_path, config: str, *data: str, length: str = "--trainer.fast_dev_run=true") -> list[str]:
