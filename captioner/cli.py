@@ -1,11 +1,12 @@
-"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict), plus caption, evaluate, export
-and demo.
+"""The `captioner` command: LightningCLI subcommands (fit, validate, test, predict), plus caption, evaluate, export,
+serve and demo.
 
     captioner fit --config configs/shapes.yaml
     captioner demo --checkpoint checkpoints/shapes/best.ckpt
     captioner caption photos/ --beam-size 3 --overlays overlays/
     captioner evaluate --config configs/coco_lite0.yaml --checkpoint checkpoints/coco_lite0/best.ckpt
     captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
+    captioner serve --checkpoint shapes --port 7860
 
 Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
 `error: ...` line on stderr and exit status 2, never a traceback.
@@ -242,6 +243,25 @@ def export_model(argv: list[str]) -> None:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+def serve(argv: list[str]) -> None:
+    """Serve a page and a JSON API (POST /api/caption) that caption images and show each word's attention.
+    There is no authentication: anyone who can reach the port can use the model."""
+    parser = argparse.ArgumentParser(prog="captioner serve", description=serve.__doc__)
+    parser.add_argument("--checkpoint", default="shapes", help="bundled model name, exported model or .ckpt")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (others need it said)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--max-upload-mb", type=float, default=20, help="larger uploads get a 400 error")
+    parser.add_argument("--max-batch", type=int, default=8, help="most waiting requests captioned as one batch")
+    args = parser.parse_args(argv)
+    if args.max_upload_mb <= 0 or args.max_batch < 1:
+        raise ConfigError("--max-upload-mb and --max-batch must be positive")
+    try:
+        from captioner.serve import serve as run
+    except ImportError as err:
+        raise ConfigError(f"captioner serve needs {err.name}: pip install 'captioner[serve]'") from None
+    run(args.checkpoint, args.host, args.port, args.max_upload_mb, args.max_batch)
+
+
 COMMANDS = {
     "fit": "train a model on a config's dataset (LightningCLI)",
     "validate": "score a checkpoint on the validation split (LightningCLI)",
@@ -250,6 +270,7 @@ COMMANDS = {
     "caption": "caption image files and folders, optionally writing per-word attention overlays",
     "evaluate": "score a checkpoint with the coco-caption metrics (BLEU, METEOR, ROUGE-L, CIDEr)",
     "export": "write a small self-contained model file from a checkpoint",
+    "serve": "a web page and JSON API that caption uploaded images and show each word's attention",
     "demo": "caption a few held-out shapes images and print val/bleu4 (what `make demo` runs)",
 }
 
@@ -278,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
             evaluate(argv[1:])
         elif command == "export":
             export_model(argv[1:])
+        elif command == "serve":
+            serve(argv[1:])
         else:
             run_lightning_cli(argv)
     except (CaptionerError, ArgumentError) as err:

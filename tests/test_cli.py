@@ -127,7 +127,7 @@ def test_the_command_alone_or_with_help_lists_every_subcommand(args):
     result = subprocess.run([sys.executable, "-m", "captioner.cli", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == (2 if not args else 0) and "Traceback" not in result.stderr
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "demo"]
+    assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "serve", "demo"]
 
 
 def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_model, tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -35,13 +36,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(path: str | Path) -> Image.Image:
-    """Open, fully decode and convert an image file to RGB, or raise ImageError("<path>: <reason>").
+def load_image(path: str | Path | BinaryIO, name: str | None = None) -> Image.Image:
+    """Open, fully decode and convert an image file (a path, or an open binary file called `name`) to RGB, or raise
+    ImageError("<name>: <reason>").
 
-    PIL's decompression-bomb guard stays on: a header claiming more than twice Image.MAX_IMAGE_PIXELS is refused
-    before any pixel is decoded.
+    PIL's decompression-bomb guard stays on, and its warning is an error: a header claiming more than
+    Image.MAX_IMAGE_PIXELS is refused before any pixel is decoded.
     """
-    path = Path(path)
+    path = Path(path) if isinstance(path, (str, Path)) else path
+    name = name or str(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -57,10 +60,11 @@ def load_image(path: str | Path) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         reason = f"refused as a possible decompression bomb ({err})"
     except UnidentifiedImageError:
-        reason = "empty file" if path.stat().st_size == 0 else "not an image file PIL can read"
+        empty = path.stat().st_size == 0 if isinstance(path, Path) else path.seek(0, 2) == 0
+        reason = "empty file" if empty else "not an image file PIL can read"
     except (OSError, SyntaxError, ValueError) as err:
         reason = f"cannot decode image ({err})"
-    raise ImageError(f"{path}: {reason}")
+    raise ImageError(f"{name}: {reason}")
 
 
 def find_images(paths: list[str | Path]) -> tuple[list[Path], list[ImageError]]:
