@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jsonargparse import ArgumentError
+from tqdm import tqdm
 
 from captioner.errors import CaptionerError, ConfigError
 
@@ -130,23 +131,32 @@ def caption(argv: list[str]) -> int:
     overlays = _overlay_folder(args.overlays)
     captioner = Captioner.load(args.checkpoint)
     paths, errors = find_images(args.paths)
+    # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
+    progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)
+
+    def say(line: str, stream=sys.stdout) -> None:
+        with progress.external_write_mode(file=stream):
+            print(line, file=stream, flush=True)
+
     for error in errors:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        say(f"error: {error}", sys.stderr)
     failed = len(errors)
     results = captioner.iter_captions(paths, args.beam_size, args.batch_size, args.max_len)
     for index, result in enumerate(results):
+        progress.update()
         if isinstance(result, ImageError):
-            print(f"error: {result}", file=sys.stderr, flush=True)
+            say(f"error: {result}", sys.stderr)
             failed += 1
             continue
         if args.json:
             record = {"path": result.source, "caption": result.text, "tokens": result.tokens, "score": result.score}
-            print(json.dumps(record), flush=True)
+            say(json.dumps(record))
         else:
-            print(f"{result.source}\t{result.text}", flush=True)
+            say(f"{result.source}\t{result.text}")
         if overlays:
             sheet = attention_grid(result.image, result.tokens, result.alphas, result.grid_hw)
             sheet.save(overlays / f"{index:05d}_{Path(result.source).stem}.png")
+    progress.close()
     return 1 if failed else 0
 
 
@@ -207,7 +217,7 @@ def evaluate(argv: list[str]) -> None:
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}
-    for batch in loader:
+    for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if batch is None:
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}

@@ -195,8 +195,10 @@ class FeatureCache:
         # A copy with its BatchNorms folded into its convolutions: the same annotations up to float rounding, faster
         encoder = copy.deepcopy(self.encoder).eval().fold_batchnorm().to(device)
         start, bad = 0, []
+        log.info("caching %s features of %d images in %s", self.source.identity, len(self.source), self.dir)
+        progress = tqdm(loader, desc=f"caching {self.source.identity}", unit="batch", disable=None)  # a TTY only
         with torch.inference_mode():
-            for images, ok in tqdm(loader, desc=f"caching {self.source.identity} features", unit="batch"):
+            for images, ok in progress:
                 rows = np.arange(start, start + len(ok))
                 bad += rows[~ok.numpy()].tolist()  # unreadable images: their rows stay zero, marked bad
                 if images is not None:

@@ -157,8 +157,11 @@ def test_reserving_the_arrays_blocks_ignores_only_what_the_file_system_cannot_do
         reserve(path)
 
 
+LOGGING_CLI = "import logging, sys; logging.basicConfig(level=logging.INFO); from captioner.cli import main; main()"
+
+
 def test_two_runs_started_at_once_on_one_data_dir_build_each_cache_once(tmp_path):
-    """Two `captioner fit` processes need the same caches: one builds each (its progress bar says so), the other
+    """Two `captioner fit` processes need the same caches: one builds each (its log line says so), the other
     waits on the cache's lock file and then reads it. Without the lock both would build, each into its own temporary
     file, both renamed into place."""
     data = tmp_path / "data"
@@ -166,7 +169,7 @@ def test_two_runs_started_at_once_on_one_data_dir_build_each_cache_once(tmp_path
     def start(name: str) -> subprocess.Popen:
         args = [*tiny_fit_args(tmp_path / name), f"--data.init_args.data_dir={data}", "--trainer.max_epochs=1"]
         return subprocess.Popen(
-            [sys.executable, "-m", "captioner.cli", "fit", *args],
+            [sys.executable, "-c", LOGGING_CLI, "fit", *args],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
