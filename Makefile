@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 CKPT   := checkpoints/shapes/best.ckpt
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench notebooks clean
 
 install: $(VENV)/.installed  ## create .venv and install captioner with its dev extra
 
@@ -20,6 +20,9 @@ demo: install  ## train on the built-in shapes set, caption held-out images, wri
 
 test: install  ## run the test suite (slow tests excluded: add -m slow to run them)
 	$(BIN)/python -m pytest
+
+notebooks: install  ## execute both notebooks and write them with their outputs (they are committed executed)
+	$(BIN)/python -m tests.test_notebooks
 
 lint: install  ## ruff lint and format check
 	$(BIN)/ruff check .
