@@ -119,6 +119,11 @@ def caption(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
+    parser.add_argument(
+        "--per-word-scale",
+        action="store_true",
+        help="scale each overlay to its own word's largest α (default: one scale for all words, with a colour bar)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line: path, caption, tokens, score")
     args = parser.parse_args(argv)
     if args.beam_size < 1 or args.batch_size < 1:
@@ -154,7 +159,9 @@ def caption(argv: list[str]) -> int:
         else:
             say(f"{result.source}\t{result.text}")
         if overlays:
-            sheet = attention_grid(result.image, result.tokens, result.alphas, result.grid_hw)
+            sheet = attention_grid(
+                result.image, result.tokens, result.alphas, result.grid_hw, per_word=args.per_word_scale
+            )
             sheet.save(overlays / f"{index:05d}_{Path(result.source).stem}.png")
     progress.close()
     return 1 if failed else 0

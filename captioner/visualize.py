@@ -13,28 +13,50 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 
-def attention_map(alpha: torch.Tensor | np.ndarray, grid_hw: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
-    """Upsample one word's attention (P,) on a (h,w) grid smoothly (bicubic) to an image of size (W,H).
-
-    Returns an (H,W) float array, non-negative and summing to 1.
-    """
+def upsample(alpha: torch.Tensor | np.ndarray, grid_hw: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+    """Upsample one word's attention (P,) on a (h,w) grid smoothly (bicubic) to an (H,W) array for an image of size
+    (W,H). The values stay α's own: each pixel holds about the weight of the grid cell it lies in."""
     grid = np.asarray(alpha.detach().cpu() if isinstance(alpha, torch.Tensor) else alpha, dtype=np.float32)
-    grid = grid.reshape(grid_hw)
-    heat = np.asarray(Image.fromarray(grid, mode="F").resize(size, Image.Resampling.BICUBIC), dtype=np.float64)
-    heat = np.clip(heat, 0.0, None)  # bicubic overshoots slightly below zero
+    heat = Image.fromarray(grid.reshape(grid_hw), mode="F").resize(size, Image.Resampling.BICUBIC)
+    return np.clip(np.asarray(heat, dtype=np.float64), 0.0, None)  # bicubic overshoots slightly below zero
+
+
+def attention_map(alpha: torch.Tensor | np.ndarray, grid_hw: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+    """`upsample`, normalised: an (H,W) array, non-negative and summing to 1 (the attention's share per pixel)."""
+    heat = upsample(alpha, grid_hw, size)
     total = heat.sum()
     return heat / total if total > 0 else np.full(heat.shape, 1.0 / heat.size)
 
 
 def overlay_attention(
-    image: Image.Image, alpha: torch.Tensor | np.ndarray, grid_hw: tuple[int, int], floor: float = 0.2
+    image: Image.Image,
+    alpha: torch.Tensor | np.ndarray,
+    grid_hw: tuple[int, int],
+    scale: float | None = None,
+    floor: float = 0.2,
 ) -> Image.Image:
-    """The image, dimmed where the word's attention is low: brightness = floor + (1 - floor) * attention / max."""
+    """The image, dimmed where the word's attention is low: brightness = floor + (1 - floor) * min(α / scale, 1),
+    with α upsampled (`upsample`).
+
+    `scale` is the α shown at full brightness. Give every word of an image the same one (`attention_grid` uses their
+    largest α) so that their overlays compare. None scales this word to its own largest α: per-word normalisation,
+    which makes diffuse attention look sharp.
+    """
     image = image.convert("RGB")
-    heat = attention_map(alpha, grid_hw, image.size)
-    weight = floor + (1.0 - floor) * heat / heat.max()  # (H,W) in [floor, 1]
+    heat = upsample(alpha, grid_hw, image.size)
+    top = scale if scale is not None else heat.max()
+    weight = floor + (1.0 - floor) * np.clip(heat / max(top, 1e-12), 0.0, 1.0)  # (H,W) in [floor, 1]
     pixels = np.asarray(image, dtype=np.float32) * weight[..., None]
     return Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
+
+
+def common_scale(alphas: torch.Tensor | np.ndarray, per_word: bool) -> float | None:
+    """The one α that every word's overlay shows at full brightness: the largest of all words; None with per_word."""
+    return (
+        None
+        if per_word
+        else float(np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas).max())
+    )
 
 
 def attention_grid(
@@ -44,21 +66,34 @@ def attention_grid(
     grid_hw: tuple[int, int],
     tile: int = 192,
     columns: int = 5,
+    per_word: bool = False,
 ) -> Image.Image:
-    """One PNG-ready picture: the image, then one overlay tile per word, each titled with its word."""
+    """One PNG-ready picture: the image, then one overlay tile per word, each titled with its word, and under them a
+    colour bar: every word on one scale, from α = 0 to the largest α of any word (`per_word` scales each word to its
+    own largest α instead, and the bar says so)."""
     if len(alphas) < len(words):
         raise ValueError(f"{len(words)} words but only {len(alphas)} attention maps")
-    title_height = 22
+    title_height, bar_height, floor = 22, 24, 0.2
+    scale = common_scale(alphas[: len(words)], per_word)
     thumb = image.convert("RGB").resize((tile, tile), Image.Resampling.BICUBIC)
-    tiles = [("", thumb)] + [(word, overlay_attention(thumb, alphas[i], grid_hw)) for i, word in enumerate(words)]
+    tiles = [("", thumb)] + [
+        (word, overlay_attention(thumb, alphas[i], grid_hw, scale)) for i, word in enumerate(words)
+    ]
     rows = -(-len(tiles) // columns)
-    sheet = Image.new("RGB", (columns * tile, rows * (tile + title_height)), "white")
+    sheet = Image.new("RGB", (columns * tile, rows * (tile + title_height) + bar_height), "white")
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
     for k, (word, picture) in enumerate(tiles):
         x, y = (k % columns) * tile, (k // columns) * (tile + title_height)
         draw.text((x + 4, y + 4), word, fill="black", font=font)
         sheet.paste(picture, (x, y + title_height))
+    y = rows * (tile + title_height) + 6
+    top = "each word's own largest weight" if scale is None else f"{scale:.3f}"  # PIL's default font has no α
+    draw.text((4, y), "attention weight: 0", fill="black", font=font)
+    for i in range(200):  # the bar, from the darkest overlay to the brightest
+        level = round(255 * (floor + (1 - floor) * i / 199))
+        draw.line([(130 + i, y), (130 + i, y + 12)], fill=(level, level, level))
+    draw.text((340, y), top, fill="black", font=font)
     return sheet
 
 
@@ -68,11 +103,13 @@ def plot_attention(
     alphas: torch.Tensor | np.ndarray,
     grid_hw: tuple[int, int] | None = None,
     columns: int = 5,
+    per_word: bool = False,
 ):
-    """A matplotlib Figure with the image and one overlay per word (titled with the word)."""
+    """A matplotlib Figure with the image and one overlay per word (titled with the word), every word on one colour
+    scale of α with a colour bar (`per_word`: each word on its own scale, without a bar)."""
     import matplotlib.pyplot as plt
 
-    alphas = np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas)
+    alphas = np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas)[: len(words)]
     if grid_hw is None:
         side = round(alphas.shape[-1] ** 0.5)
         grid_hw = (side, side)
@@ -83,10 +120,14 @@ def plot_attention(
         ax.axis("off")
     image = image.convert("RGB")
     axes.flat[0].imshow(image)
+    scale = common_scale(alphas, per_word)
     for i, word in enumerate(words, start=1):
         ax = axes.flat[i]
         ax.imshow(image)
-        ax.imshow(attention_map(alphas[i - 1], grid_hw, image.size), cmap="gray", alpha=0.7)
+        heat = upsample(alphas[i - 1], grid_hw, image.size)
+        shown = ax.imshow(heat, cmap="inferno", alpha=0.6, vmin=0, vmax=scale if scale is not None else heat.max())
         ax.set_title(word)
     figure.tight_layout()
+    if scale is not None and len(words):
+        figure.colorbar(shown, ax=axes.ravel().tolist(), shrink=0.6, label="α (attention weight)")
     return figure

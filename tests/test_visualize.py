@@ -39,6 +39,23 @@ def test_overlay_dims_where_attention_is_low():
     assert out[5, 5].mean() > 150 and out[58, 58].mean() < 60
 
 
+def test_one_scale_for_every_word_unless_asked_per_word():
+    image = Image.new("RGB", (64, 64), (200, 200, 200))
+    focused = torch.tensor([1.0, 0.0, 0.0, 0.0])  # all on the top-left cell of a 2x2 grid
+    diffuse = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    alphas = torch.stack([focused, diffuse])
+    sheet_focused, sheet_diffuse = (np.asarray(overlay_attention(image, a, (2, 2), scale=1.0)) for a in alphas)
+    assert (
+        sheet_focused[5, 5].mean() > 190 and sheet_diffuse[5, 5].mean() < 130
+    )  # α 0.4 of 1.0: 200 * (0.2 + 0.8 * 0.4) = 104
+    per_word = np.asarray(overlay_attention(image, diffuse, (2, 2)))
+    assert per_word[5, 5].mean() > 190  # per-word normalisation shows the diffuse word's peak at full brightness
+    shared = np.asarray(attention_grid(image, ["on", "off"], alphas, (2, 2), tile=64))
+    own = np.asarray(attention_grid(image, ["on", "off"], alphas, (2, 2), tile=64, per_word=True))
+    second = (slice(22 + 5, 22 + 10), slice(2 * 64 + 5, 2 * 64 + 10))  # the top-left of the second word's tile
+    assert shared[second].mean() < 130 and own[second].mean() > 190
+
+
 @pytest.mark.parametrize("n_words", [1, 4, 7])
 def test_grid_has_one_tile_per_word_plus_the_image(n_words):
     alphas = torch.softmax(torch.randn(n_words, 49), dim=-1)
@@ -54,6 +71,7 @@ def test_plot_attention_returns_a_figure_with_titled_panels():
     figure = plot_attention(photo("chelsea"), words, torch.softmax(torch.randn(3, 49), -1))
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
     assert titles == words
+    assert [ax.get_ylabel() for ax in figure.axes].count("α (attention weight)") == 1  # one colour bar for all words
 
 
 def test_visualize_module_does_not_import_matplotlib():
