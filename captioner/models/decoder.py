@@ -1,4 +1,4 @@
-"""The LSTM decoder with soft attention (paper §3.1.2, §4.2.1).
+"""The LSTM decoder with soft or hard attention (paper §3.1.2, §4.1, §4.2.1).
 
 Per step t, with annotations a (B,P,E), previous word y_{t-1} and state (h, c):
     alpha_t   = softmax_i(score(a_i, h_{t-1}))               attention.py
@@ -14,6 +14,7 @@ every step together.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
@@ -105,17 +106,29 @@ class AttentionDecoder(nn.Module):
         logits, state = self.update(tokens, context, state)
         return logits, state, alpha
 
-    def attend(self, h: torch.Tensor, annotations: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The first half of a step, from h_{t-1} (N,D): the gated context z_t (N,E) and alpha_t (N,P)."""
+    def attend(
+        self, h: torch.Tensor, annotations: torch.Tensor, keys: torch.Tensor, sample: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """The first half of a step, from h_{t-1} (N,D): the gated context z_t (N,E) and alpha_t (N,P).
+
+        Soft attention (eq. 13) takes the expected context sum_i alpha_ti a_i. With `sample`, hard attention (§4.1,
+        eq. 8-9): a location s_t ~ Multinoulli(alpha_t) is drawn and the context is its one annotation a_{s_t}; the
+        locations (N,) are returned third.
+        """
         B, P, E = annotations.shape
-        h = h.view(B, -1, h.size(-1))  # (B,G,D): the G hypotheses of each image
-        context, alpha = attend(self.attention(keys, h), annotations)  # (B,G,E), (B,G,P)
-        context, alpha, h = context.view(-1, E), alpha.view(-1, P), h.view(-1, h.size(-1))  # (N,E), (N,P), (N,D)
+        h3 = h.view(B, -1, h.size(-1))  # (B,G,D): the G hypotheses of each image
+        context, alpha = attend(self.attention(keys, h3), annotations)  # (B,G,E), (B,G,P)
+        context, alpha = context.view(-1, E), alpha.view(-1, P)  # (N,E), (N,P)
+        weights = alpha
+        if sample:
+            location = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (N,)
+            weights = F.one_hot(location, P).to(alpha.dtype)  # (N,P): s_t as a one-hot vector
+            context = torch.bmm(weights.view(B, -1, P), annotations).view(-1, E)  # a_{s_t}
         if self.position is not None:
-            context = context + alpha @ self.position  # sum_i alpha_i (a_i + p_i): (N,P) @ (P,E)
+            context = context + weights @ self.position  # sum_i w_i (a_i + p_i): (N,P) @ (P,E)
         if self.f_beta is not None:
             context = torch.sigmoid(self.f_beta(h)) * context  # z_t = beta_t * context: (N,1 or E) * (N,E)
-        return context, alpha
+        return (context, alpha, location) if sample else (context, alpha)
 
     def update(self, tokens: torch.Tensor, context: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """The second half of a step: the LSTM and the deep output layer -> logits (N,V), the new state (N,D)x2.
@@ -133,18 +146,20 @@ class AttentionDecoder(nn.Module):
         return self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))
 
     def forward(
-        self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor, sample: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Teacher forcing.
 
         Args:
             annotations: (B,P,E).
             captions: (B,T) token ids, `<start> w1 ... wn <end>` then padding.
             lengths: (B,) real length of each caption, <start> and <end> included.
+            sample: hard attention: each step attends to one sampled location (`attend`).
 
         Returns:
             logits (B,T-1,V) predicting captions[:, 1:], and alphas (B,T-1,P); both are zero at padded steps, where
             nothing is computed: the batch is sorted by length and each step runs only the captions still going.
+            With `sample`, also the sampled locations (B,T-1), 0 at padded steps.
         """
         B, P, _ = annotations.shape
         steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
@@ -159,19 +174,23 @@ class AttentionDecoder(nn.Module):
             bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
             if bt < h.size(0):  # shrink only when a caption ends: a slice costs a full-size zero-fill in backward
                 h, c, memory, keys = h[:bt], c[:bt], memory[:bt], keys[:bt]
-            context, alpha = self.attend(h, memory, keys)
+            context, alpha, *location = self.attend(h, memory, keys, sample)
             y, (h, c) = self.recur(inputs[:bt, t], context, (h, c))
-            rows.append((y, h, context, alpha))
+            rows.append((y, h, context, alpha, *location))
         # The output layer once, on the real words of all steps: larger matmuls than one call per step. Then each
         # word goes to its (step, caption) place; padding stays zero.
-        y, h, context, alpha = (torch.cat(parts) for parts in zip(*rows, strict=True))  # (words,.), step by step
+        y, h, context, alpha, *location = (torch.cat(parts) for parts in zip(*rows, strict=True))  # (words,.)
         real = torch.arange(T, device=steps.device).unsqueeze(1) < steps.unsqueeze(0)  # (T,B), in the loop's order
         logits = annotations.new_zeros(T, B, self.vocab_size)
         logits[real] = self.output(y, h, context).to(logits.dtype)  # autocast may give another dtype
         alphas = annotations.new_zeros(T, B, P)
         alphas[real] = alpha.to(alphas.dtype)
         inverse = order.argsort()
-        return logits.transpose(0, 1)[inverse], alphas.transpose(0, 1)[inverse]  # (B,T,V), (B,T,P)
+        outputs = [logits, alphas]  # (B,T,V), (B,T,P)
+        if sample:
+            outputs.append(steps.new_zeros(T, B))
+            outputs[-1][real] = location[0]  # (B,T)
+        return tuple(x.transpose(0, 1)[inverse] for x in outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
         """Compile the per-word methods with `torch.compile(**options)` (dynamic shapes unless `options` say

@@ -45,8 +45,38 @@ def caption_loss(
     return Loss(nll / B + alpha_c * doubly_stochastic, nll / mask.sum(), doubly_stochastic)
 
 
+def hard_attention_terms(
+    log_likelihood: torch.Tensor,
+    alphas: torch.Tensor,
+    locations: torch.Tensor,
+    mask: torch.Tensor,
+    baseline: torch.Tensor | float,
+    reinforce_weight: float,
+    entropy_weight: float,
+) -> torch.Tensor:
+    """What hard attention adds to the loss (§4.1, eq. 12), averaged over the batch like the log-likelihood:
+
+        - lambda_r (log p(y|s,a) - b) log p(s|a) - lambda_e H[s]
+
+    Its gradient is the paper's REINFORCE estimate with a baseline b: the minus log-likelihood's own gradient (in
+    `caption_loss`) is the first term of eq. 12, and (log p(y|s,a) - b) is held constant.
+
+    Args:
+        log_likelihood: (B,) log p(y|s,a) of each caption, its words summed, under the sampled locations.
+        alphas: (B,T,P) the attention weights the locations were sampled from.
+        locations: (B,T) the sampled s_t.
+        mask: (B,T) the real words.
+        baseline: b, the running average of log p(y|s,a).
+    """
+    log_p_s = torch.log(alphas.gather(-1, locations.unsqueeze(-1)).squeeze(-1).clamp_min(1e-12))  # (B,T)
+    entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(-1)  # (B,T): H of each step's Multinoulli(alpha_t)
+    advantage = (log_likelihood - baseline).detach()  # (B,)
+    per_caption = reinforce_weight * advantage * (log_p_s * mask).sum(1) + entropy_weight * (entropy * mask).sum(1)
+    return -per_caption.mean()
+
+
 class ShowAttendTell(nn.Module):
-    """Image -> caption with soft attention (Xu et al. 2015).
+    """Image -> caption with soft or hard attention (Xu et al. 2015).
 
     Args:
         vocab_size: V, the special tokens included.
@@ -55,6 +85,15 @@ class ShowAttendTell(nn.Module):
         grid_size: pool the feature map to grid_size x grid_size annotations (None: the backbone's own grid).
         image_size: input side in pixels (None: the backbone's default).
         alpha_c: lambda, the weight of the doubly stochastic attention term in the loss (the paper uses 1).
+        attention_mode: "soft" (deterministic, §4.2) or "hard" (stochastic, §4.1): in training each word attends to
+            one location s_t ~ Multinoulli(alpha_t), learnt with REINFORCE (`hard_attention_terms`). Captioning (and
+            validation) then uses the expected context, as the paper's code does at test time (capgen.py's sampler
+            with sampling=False): hard and soft models caption the same way.
+        reinforce_weight: lambda_r of hard attention. The paper gives no value; its code's 1/10, on a cost averaged
+            over time steps and summed over a batch of 16, is about 0.1 on the summed log-likelihood used here.
+        entropy_weight: lambda_e of hard attention, the weight of the entropy H[s] (the paper's code: 0.002).
+        expected_context_p: hard attention, the probability that a training batch uses the expected context instead
+            of sampled locations (the paper's variance reduction: 0.5).
         pad_index, start_index, end_index: the special token ids (see `Vocabulary`).
         **decoder_options: the decoder's sizes and choices, see `AttentionDecoder`.
     """
@@ -67,6 +106,10 @@ class ShowAttendTell(nn.Module):
         grid_size: int | None = None,
         image_size: int | None = None,
         alpha_c: float = 1.0,
+        attention_mode: str = "soft",
+        reinforce_weight: float = 0.1,
+        entropy_weight: float = 0.002,
+        expected_context_p: float = 0.5,
         pad_index: int = 0,
         start_index: int = 1,
         end_index: int = 2,
@@ -79,7 +122,15 @@ class ShowAttendTell(nn.Module):
         self.decoder = AttentionDecoder(
             vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
         )
+        if attention_mode not in ("soft", "hard"):
+            raise ConfigError(f"attention_mode must be 'soft' or 'hard', got {attention_mode!r}")
+        if not 0 <= expected_context_p <= 1:
+            raise ConfigError(f"expected_context_p must be in [0, 1], got {expected_context_p}")
         self.alpha_c = alpha_c
+        self.attention_mode, self.expected_context_p = attention_mode, expected_context_p
+        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
+        if attention_mode == "hard":  # b, the running average of log p(y|s,a): saved in checkpoints
+            self.register_buffer("reward_baseline", torch.zeros(()))
         self.pad_index, self.start_index, self.end_index = pad_index, start_index, end_index
 
     def annotate(self, images: torch.Tensor | None = None, annotations: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,9 +147,21 @@ class ShowAttendTell(nn.Module):
         annotations: torch.Tensor | None = None,
     ) -> Loss:
         """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss."""
-        logits, alphas = self.decoder(self.annotate(images, annotations), captions, lengths)  # (B,T-1,V), (B,T-1,P)
+        annotations = self.annotate(images, annotations)
+        sample = self.training and self.attention_mode == "hard" and bool(torch.rand(()) >= self.expected_context_p)
+        logits, alphas, *locations = self.decoder(annotations, captions, lengths, sample)  # (B,T-1,V), (B,T-1,P)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
-        return caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index)
+        loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index)
+        if not sample:
+            return loss
+        mask = targets != self.pad_index
+        log_likelihood = -(F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * mask).sum(1)  # (B,)
+        extra = hard_attention_terms(
+            log_likelihood, alphas, locations[0], mask, self.reward_baseline, self.reinforce_weight, self.entropy_weight
+        )
+        with torch.no_grad():  # b <- 0.9 b + 0.1 log p(y|s,a), as in the paper
+            self.reward_baseline.mul_(0.9).add_(0.1 * log_likelihood.mean())
+        return loss._replace(loss=loss.loss + extra)
 
     @torch.no_grad()
     def generate(
