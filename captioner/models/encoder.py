@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 
 from captioner.errors import ConfigError, WeightsUnavailableError
 
-STRIDE = 32  # every registered backbone downsamples its input 32 times
+STRIDES = (32, 16)  # a backbone's last feature map, or its last one at 1/16 of the input (the paper's 14x14 at 224)
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,18 @@ def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
     return model
 
 
-def _efficientnet_lite0(pretrained: bool) -> Backbone:
+def _efficientnet_lite0(pretrained: bool, stride: int) -> Backbone:
     model = load_efficientnet_lite0(pretrained)
     model.reset_classifier(0)  # the classifier is not used; don't carry its 1.3M weights in every checkpoint
+    if stride == 16:  # the stem and the blocks up to the last one at 1/16 (112 channels); the rest is left out
+        (info,) = [info for info in model.feature_info if info["reduction"] == 16]
+        blocks = model.blocks[: int(info["module"].split(".")[1]) + 1]
+        return Backbone(
+            features=nn.Sequential(model.conv_stem, model.bn1, *blocks),
+            channels=info["num_chs"],
+            preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic"),
+            stages=[model.conv_stem, *blocks],
+        )
     return Backbone(
         features=_ForwardFeatures(model),
         channels=model.num_features,
@@ -142,26 +151,27 @@ def _torchvision_state_dict(weights, name: str) -> dict[str, torch.Tensor]:
     return weights.get_state_dict(progress=False, check_hash=True)
 
 
-def _resnet(name: str) -> Callable[[bool], Backbone]:
-    def build(pretrained: bool) -> Backbone:
+def _resnet(name: str) -> Callable[[bool, int], Backbone]:
+    def build(pretrained: bool, stride: int) -> Backbone:
         import torchvision
 
         model = torchvision.models.get_model(name, weights=None)
         if pretrained:
             weights = torchvision.models.get_model_weights(name).IMAGENET1K_V2
             model.load_state_dict(_torchvision_state_dict(weights, name))
-        features = nn.Sequential(*list(model.children())[:-2])  # drop avgpool and fc
+        last = 2 if stride == 32 else 3  # drop avgpool and fc, and at stride 16 layer4 as well
+        stages = [model.layer1, model.layer2, model.layer3, model.layer4][: 6 - last]
         return Backbone(
-            features=features,
-            channels=model.fc.in_features,
+            features=nn.Sequential(*list(model.children())[:-last]),
+            channels=model.fc.in_features if stride == 32 else model.fc.in_features // 2,
             preprocessing=Preprocessing(224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "bilinear"),
-            stages=[model.layer1, model.layer2, model.layer3, model.layer4],
+            stages=stages,
         )
 
     return build
 
 
-BACKBONES: dict[str, Callable[[bool], Backbone]] = {
+BACKBONES: dict[str, Callable[[bool, int], Backbone]] = {  # (pretrained, stride) -> Backbone
     "efficientnet_lite0": _efficientnet_lite0,
     "resnet50": _resnet("resnet50"),
     "resnet101": _resnet("resnet101"),
@@ -211,6 +221,9 @@ class Encoder(nn.Module):
         pretrained: load ImageNet weights (offline for efficientnet_lite0; torchvision's cache for the ResNets).
         grid_size: adaptive-average-pool the feature map to grid_size x grid_size (None keeps the native grid).
         image_size: input side in pixels (None: the backbone's default, 224).
+        feature_stride: 32, the backbone's last feature map (7x7 at 224 pixels), or 16, its last map at 1/16 of the
+            input (14x14 at 224, the paper's grid): for the ResNets layer3 (1024 channels), for EfficientNet-Lite0
+            its fifth block (112 channels). The layers after it are left out, so it costs less than a 448 input.
     """
 
     def __init__(
@@ -219,13 +232,16 @@ class Encoder(nn.Module):
         pretrained: bool = True,
         grid_size: int | None = None,
         image_size: int | None = None,
+        feature_stride: int = 32,
     ):
         super().__init__()
         if backbone not in BACKBONES:
             raise ConfigError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
         if grid_size is not None and grid_size < 1:
             raise ConfigError(f"grid_size must be positive, got {grid_size}")
-        spec = BACKBONES[backbone](pretrained)
+        if feature_stride not in STRIDES:
+            raise ConfigError(f"feature_stride must be 32 or 16, got {feature_stride}")
+        spec = BACKBONES[backbone](pretrained, feature_stride)
         self.name = backbone
         self.pretrained = pretrained
         self.features = spec.features.to(memory_format=torch.channels_last)  # ~2x faster on CPU, also good on GPU
@@ -235,7 +251,7 @@ class Encoder(nn.Module):
         self.preprocessing = Preprocessing(
             size, spec.preprocessing.mean, spec.preprocessing.std, spec.preprocessing.interpolation
         )
-        native = math.ceil(size / STRIDE)
+        native = math.ceil(size / feature_stride)
         self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
         self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()
         self.fine_tune(0)

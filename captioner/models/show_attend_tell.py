@@ -84,6 +84,7 @@ class ShowAttendTell(nn.Module):
         pretrained: load the backbone's ImageNet weights.
         grid_size: pool the feature map to grid_size x grid_size annotations (None: the backbone's own grid).
         image_size: input side in pixels (None: the backbone's default).
+        feature_stride: 32 (the backbone's last feature map) or 16 (a 14x14 grid at 224 pixels), see `Encoder`.
         alpha_c: lambda, the weight of the doubly stochastic attention term in the loss (the paper uses 1).
         attention_mode: "soft" (deterministic, §4.2) or "hard" (stochastic, §4.1): in training each word attends to
             one location s_t ~ Multinoulli(alpha_t), learnt with REINFORCE (`hard_attention_terms`). Captioning (and
@@ -105,6 +106,7 @@ class ShowAttendTell(nn.Module):
         pretrained: bool = True,
         grid_size: int | None = None,
         image_size: int | None = None,
+        feature_stride: int = 32,
         alpha_c: float = 1.0,
         attention_mode: str = "soft",
         reinforce_weight: float = 0.1,
@@ -118,7 +120,7 @@ class ShowAttendTell(nn.Module):
         super().__init__()
         if alpha_c < 0:
             raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
-        self.encoder = Encoder(backbone, pretrained=pretrained, grid_size=grid_size, image_size=image_size)
+        self.encoder = Encoder(backbone, pretrained, grid_size, image_size, feature_stride)
         self.decoder = AttentionDecoder(
             vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
         )

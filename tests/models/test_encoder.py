@@ -22,6 +22,33 @@ def test_annotation_shapes_for_every_backbone(backbone, channels):
     assert torch.isfinite(a).all()
 
 
+@pytest.mark.parametrize(("backbone", "channels"), [("efficientnet_lite0", 112), ("resnet50", 1024)])
+def test_stride_16_gives_the_papers_14x14_grid_at_224_pixels(backbone, channels):
+    encoder = Encoder(backbone, pretrained=False, feature_stride=16).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        a = encoder(x)
+        assert a.shape == (1, 196, channels) and encoder.grid_hw == (14, 14) and encoder.out_dim == channels
+        assert torch.allclose(encoder.fold_batchnorm()(x), a, atol=1e-4 * a.abs().max().item())
+    with pytest.raises(ConfigError, match="feature_stride"):
+        Encoder(backbone, pretrained=False, feature_stride=8)
+
+
+def test_stride_16_features_are_the_backbones_own_at_that_depth():
+    """EfficientNet-Lite0 at stride 16 gives timm's own stride-16 feature map (features_only), with the real weights."""
+    import timm
+
+    encoder = Encoder("efficientnet_lite0", pretrained=True, feature_stride=16).eval()
+    reference = timm.create_model("tf_efficientnet_lite0", features_only=True, out_indices=[3]).eval()
+    assert reference.feature_info.reduction() == [16]
+    weights = load_efficientnet_lite0(pretrained=True).state_dict()
+    reference.load_state_dict({k: v for k, v in weights.items() if k in reference.state_dict()}, strict=True)
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        (expected,) = reference(x)
+        assert torch.allclose(encoder(x), expected.flatten(2).transpose(1, 2), atol=1e-4)
+
+
 def test_adaptive_pool_to_a_configured_grid():
     encoder = Encoder("resnet50", pretrained=False, grid_size=3, image_size=128).eval()
     with torch.no_grad():
