@@ -190,3 +190,15 @@ def test_two_runs_started_at_once_on_one_data_dir_build_each_cache_once(tmp_path
             "annotations.npy",
             "meta.json",
         ]
+
+
+def test_the_cache_is_keyed_on_the_grid(tmp_path):
+    """The 7x7 and the 14x14 (feature_stride=16) annotations of one split live in two caches."""
+    from captioner.data.shapes import ShapesDataset
+
+    split = ShapesDataset("val", 4)
+    coarse, fine = (Encoder("efficientnet_lite0", feature_stride=stride) for stride in (32, 16))
+    assert FeatureCache(tmp_path, coarse, split).dir != FeatureCache(tmp_path, fine, split).dir
+    cache = FeatureCache(tmp_path, fine, split)
+    cache.ensure(batch_size=4, num_workers=0, device="cpu")
+    assert cache.load().shape == (4, 196, 112)
