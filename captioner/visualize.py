@@ -51,12 +51,10 @@ def overlay_attention(
 
 
 def common_scale(alphas: torch.Tensor | np.ndarray, per_word: bool) -> float | None:
-    """The one α that every word's overlay shows at full brightness: the largest of all words; None with per_word."""
-    return (
-        None
-        if per_word
-        else float(np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas).max())
-    )
+    """The one α that every word's overlay shows at full brightness: the largest of all words; None with per_word (or
+    no words)."""
+    alphas = np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas)
+    return None if per_word or alphas.size == 0 else float(alphas.max())
 
 
 def attention_grid(

@@ -47,7 +47,7 @@ def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(t
     assert [sheet.name for sheet in sheets] == ["test_0.png", "test_1.png"]
     for sheet, words in zip(sheets, captions, strict=True):  # the image, then one titled 192-pixel tile per word
         with Image.open(sheet) as picture:
-            assert picture.size == (5 * 192, -(-(1 + len(words)) // 5) * (192 + 22))
+            assert picture.size == (5 * 192, -(-(1 + len(words)) // 5) * (192 + 22) + 24)  # + the colour bar
 
 
 def test_the_same_seed_trains_the_same_weights_with_or_without_a_built_feature_cache(tmp_path):
@@ -133,6 +133,7 @@ def test_the_command_alone_or_with_help_lists_every_subcommand(args):
 def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_model, tmp_path, capsys):
     checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
     main(["evaluate", "--checkpoint", str(checkpoint), "--output", str(tmp_path), "--split", "val", "--beam-size", "1"])
+    assert "%|" not in capsys.readouterr().err  # no progress bar when stderr is not a terminal
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert sorted(c["image_id"] for c in captions) == list(range(16))  # configs/debug.yaml's 16 val images
     assert "Bleu_4" in json.loads((tmp_path / "metrics.json").read_text())

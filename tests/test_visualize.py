@@ -78,3 +78,8 @@ def test_visualize_module_does_not_import_matplotlib():
     code = "import sys, captioner.visualize; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_an_empty_caption_gives_the_image_alone():
+    sheet = attention_grid(photo("chelsea"), [], torch.zeros(0, 49), (7, 7))
+    assert count_tiles(sheet) == 1

@@ -182,6 +182,7 @@ def test_two_runs_started_at_once_on_one_data_dir_build_each_cache_once(tmp_path
     assert [path.name.split("-")[2] for path in caches if not path.name.startswith(".")] == ["train", "val"]
     for split in ("train", "val"):  # each built by one process
         assert sum(bool(re.search(rf"caching shapes-v\d+-{split}-", err)) for err in stderr) == 1, split
+    assert not any("%|" in err for err in stderr)  # the build's progress bar is for terminals only
     module = ShapesDataModule(str(data), train_size=64, val_size=16, test_size=16)
     encoder = Encoder("efficientnet_lite0")
     for split in ("train", "val"):
