@@ -92,7 +92,8 @@ class ShowAttendTell(nn.Module):
             with sampling=False): hard and soft models caption the same way.
         reinforce_weight: lambda_r of hard attention. The paper gives no value; its code's 1/10, on a cost averaged
             over time steps and summed over a batch of 16, is about 0.1 on the summed log-likelihood used here.
-        entropy_weight: lambda_e of hard attention, the weight of the entropy H[s] (the paper's code: 0.002).
+        entropy_weight: lambda_e of hard attention, the weight of the entropy H[s] of each word's Multinoulli (the
+            paper's code: 0.002, which it sums over its batch where this averages).
         expected_context_p: hard attention, the probability that a training batch uses the expected context instead
             of sampled locations (the paper's variance reduction: 0.5).
         pad_index, start_index, end_index: the special token ids (see `Vocabulary`).
@@ -120,14 +121,14 @@ class ShowAttendTell(nn.Module):
         super().__init__()
         if alpha_c < 0:
             raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
-        self.encoder = Encoder(backbone, pretrained, grid_size, image_size, feature_stride)
-        self.decoder = AttentionDecoder(
-            vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
-        )
         if attention_mode not in ("soft", "hard"):
             raise ConfigError(f"attention_mode must be 'soft' or 'hard', got {attention_mode!r}")
         if not 0 <= expected_context_p <= 1:
             raise ConfigError(f"expected_context_p must be in [0, 1], got {expected_context_p}")
+        self.encoder = Encoder(backbone, pretrained, grid_size, image_size, feature_stride)
+        self.decoder = AttentionDecoder(
+            vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
+        )
         self.alpha_c = alpha_c
         self.attention_mode, self.expected_context_p = attention_mode, expected_context_p
         self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight

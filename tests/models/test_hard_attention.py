@@ -144,3 +144,20 @@ def test_a_hard_fit_on_a_small_shapes_run_learns(tmp_path, monkeypatch):
     best = fit.trainer.checkpoint_callback.best_model_score.item()
     assert fit.model.model.attention_mode == "hard"
     assert best > 0.4 and best > untrained + 0.3, (best, untrained)
+
+
+def test_a_hard_model_trains_through_the_cli_and_loads_for_captioning(tmp_path):
+    from captioner.api import Captioner, export
+    from captioner.cli import main
+    from tests.conftest import tiny_fit_args
+    from tests.images import photo
+
+    main(["fit", *tiny_fit_args(tmp_path, "--model.attention_mode=hard", "--model.entropy_weight=0.01")])
+    checkpoint = tmp_path / "checkpoints" / "best.ckpt"
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["hyper_parameters"]["attention_mode"] == "hard"
+    assert state["state_dict"]["model.reward_baseline"] < 0  # the baseline moved and is saved
+    for path in (checkpoint, export(checkpoint, tmp_path / "hard.pt")):
+        captioner = Captioner.load(path)
+        assert captioner.model.attention_mode == "hard"
+        assert captioner.caption(photo("chelsea"))[0].alphas.shape[1] == 49
