@@ -166,4 +166,25 @@ def test_the_page_in_a_browser(server, images, tmp_path):
         page.locator("#examples img").first.click()  # a bundled example
         page.wait_for_function("document.getElementById('caption').textContent.length > 0")
         assert page.text_content("#error") == "" and words.count() >= 1
+
+        for gesture in (DROP, PASTE):  # the image dropped on the page, then pasted into it
+            page.set_input_files("#file", str(tmp_path / "notes.txt"))  # clears the caption
+            page.wait_for_function("document.getElementById('caption').textContent === ''")
+            page.evaluate(gesture, list(content))
+            page.wait_for_function("document.getElementById('caption').textContent.length > 0")
+            assert page.text_content("#caption") == expected.text and words.count() == len(expected.tokens)
         browser.close()
+
+
+# A file made in the page from bytes, dropped on the drop zone or pasted, as a user's drag or Ctrl+V delivers it
+DROP = """(bytes) => {
+  const files = new DataTransfer();
+  files.items.add(new File([new Uint8Array(bytes)], "dropped.png", {type: "image/png"}));
+  const drop = new DragEvent("drop", {dataTransfer: files, bubbles: true, cancelable: true});
+  document.getElementById("drop").dispatchEvent(drop);
+}"""
+PASTE = """(bytes) => {
+  const files = new DataTransfer();
+  files.items.add(new File([new Uint8Array(bytes)], "pasted.png", {type: "image/png"}));
+  document.dispatchEvent(new ClipboardEvent("paste", {clipboardData: files, bubbles: true}));
+}"""
