@@ -1,5 +1,6 @@
 """The optional torch.compile of the decoder's per-word methods (`Captioner.load(..., compile_decoder=True)`)."""
 
+import pytest
 import torch
 
 from captioner import Captioner
@@ -7,6 +8,7 @@ from captioner.data.shapes import ShapesDataset
 from captioner.models.decoder import COMPILED_METHODS
 
 
+@pytest.mark.slow  # about 45 s, most of it compiling
 def test_a_compiled_decoder_captions_as_the_eager_one(tiny_model):
     eager = Captioner.load(tiny_model)
     assert not any(name in eager.model.decoder.__dict__ for name in COMPILED_METHODS)
