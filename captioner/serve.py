@@ -92,7 +92,8 @@ def example_images(count: int = 4) -> dict[str, bytes]:
 
 
 def create_app(captioner: Captioner, max_upload_mb: float = 20, max_batch: int = 8) -> FastAPI:
-    """The FastAPI app: `GET /` (the page), `POST /api/caption`, `GET /healthz`, `GET /api/examples`."""
+    """The FastAPI app: `GET /` (the page), `POST /api/caption`, `GET /healthz`, `GET /api/examples` and
+    `GET /examples/<name>` (the page's example images)."""
     limit = int(max_upload_mb * 2**20)
     batcher = Batcher(captioner, max_batch)
     examples = example_images()
