@@ -6,15 +6,19 @@ CKPT   := checkpoints/shapes/best.ckpt
 
 .PHONY: install demo test lint bench notebooks clean
 
-install: $(VENV)/.installed  ## create .venv and install captioner with its dev extra
+install: $(VENV)/.installed-dev  ## create .venv and install captioner with its dev extra (tests, lint, serve)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml  # captioner alone: all that `make demo` needs
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
-demo: install  ## train on the built-in shapes set, caption held-out images, write their overlays, print val/bleu4
+demo: $(VENV)/.installed  ## train on the built-in shapes set, caption held-out images, write their overlays, print val/bleu4
 	$(BIN)/captioner fit --config configs/shapes.yaml --trainer.enable_progress_bar=false
 	$(BIN)/captioner demo --checkpoint $(CKPT) --overlays overlays/demo
 
