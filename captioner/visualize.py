@@ -13,10 +13,14 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 
+def _numpy(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    return np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values)
+
+
 def upsample(alpha: torch.Tensor | np.ndarray, grid_hw: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
     """Upsample one word's attention (P,) on a (h,w) grid smoothly (bicubic) to an (H,W) array for an image of size
     (W,H). The values stay α's own: each pixel holds about the weight of the grid cell it lies in."""
-    grid = np.asarray(alpha.detach().cpu() if isinstance(alpha, torch.Tensor) else alpha, dtype=np.float32)
+    grid = _numpy(alpha).astype(np.float32)
     heat = Image.fromarray(grid.reshape(grid_hw), mode="F").resize(size, Image.Resampling.BICUBIC)
     return np.clip(np.asarray(heat, dtype=np.float64), 0.0, None)  # bicubic overshoots slightly below zero
 
@@ -53,7 +57,7 @@ def overlay_attention(
 def common_scale(alphas: torch.Tensor | np.ndarray, per_word: bool) -> float | None:
     """The one α that every word's overlay shows at full brightness: the largest of all words; None with per_word (or
     no words)."""
-    alphas = np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas)
+    alphas = _numpy(alphas)
     return None if per_word or alphas.size == 0 else float(alphas.max())
 
 
@@ -75,7 +79,7 @@ def attention_grid(
     scale = common_scale(alphas[: len(words)], per_word)
     thumb = image.convert("RGB").resize((tile, tile), Image.Resampling.BICUBIC)
     tiles = [("", thumb)] + [
-        (word, overlay_attention(thumb, alphas[i], grid_hw, scale)) for i, word in enumerate(words)
+        (word, overlay_attention(thumb, alphas[i], grid_hw, scale, floor)) for i, word in enumerate(words)
     ]
     rows = -(-len(tiles) // columns)
     sheet = Image.new("RGB", (columns * tile, rows * (tile + title_height) + bar_height), "white")
@@ -107,7 +111,7 @@ def plot_attention(
     scale of α with a colour bar (`per_word`: each word on its own scale, without a bar)."""
     import matplotlib.pyplot as plt
 
-    alphas = np.asarray(alphas.detach().cpu() if isinstance(alphas, torch.Tensor) else alphas)[: len(words)]
+    alphas = _numpy(alphas)[: len(words)]
     if grid_hw is None:
         side = round(alphas.shape[-1] ** 0.5)
         grid_hw = (side, side)
