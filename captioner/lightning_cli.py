@@ -68,7 +68,9 @@ class LastCheckpoint(Checkpoint):
         if trainer.fast_dev_run or trainer.sanity_checking:
             return
         folder = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
-        trainer.save_checkpoint(folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+        trainer.save_checkpoint(
+            folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}", weights_only=False
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
@@ -107,7 +109,7 @@ class AttentionImages(Callback):
         for i, (picture, tokens) in enumerate(zip(pictures, generation.tokens.tolist(), strict=True)):
             words = pl_module.vocab.decode_tokens(tokens)
             sheet = attention_grid(picture, words, generation.alphas[i, : len(words)].cpu(), encoder.grid_hw)
-            pixels = torch.from_numpy(np.asarray(sheet)).permute(2, 0, 1)  # (3,H,W) uint8
+            pixels = torch.from_numpy(np.array(sheet)).permute(2, 0, 1)  # (3,H,W) uint8, a writable copy
             for board in boards:
                 board.experiment.add_image(f"attention/val_{i}", pixels, trainer.global_step)
 

@@ -1,7 +1,9 @@
 """The built-in "shapes" caption set: procedurally drawn scenes with COCO-style captions and ground-truth boxes.
 
-Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes) on a noisy background. Every image has
-five captions, one per annotator style, each naming colour, size, shape and spatial relations in its own phrasing.
+Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes), slightly rotated and anti-aliased, on
+a varied background (plain or a gradient, light, mid or dark, with noise of several strengths), and about half the
+images are JPEG-compressed. Each colour word covers a range of shades, so a model learns the word, not one RGB
+value. Every image has five captions, one per annotator style, each naming colour, size, shape and spatial relations in its own phrasing.
 For attention checks, every object's box is kept, and every caption word that names an object (its size, colour or
 shape word) is linked to that object.
 
@@ -10,6 +12,8 @@ Everything is a pure function of (seed, split, index): the same seed always give
 
 from __future__ import annotations
 
+import colorsys
+import io
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,16 +26,18 @@ from PIL import Image, ImageDraw
 from captioner.errors import ConfigError
 
 SHAPES = ("circle", "square", "triangle", "diamond")
+# Each colour word is a range of shades: (hue range in degrees, value range); saturation is 0.65-1. The ranges hold
+# PIL's and CSS's colours of the same name (green is 0,128,0 and purple 128,0,128: value 0.5).
 COLORS = {
-    "red": (215, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (45, 85, 220),
-    "yellow": (235, 205, 35),
-    "purple": (145, 55, 195),
+    "red": ((-10, 10), (0.55, 1.0)),
+    "green": ((95, 145), (0.4, 0.9)),
+    "blue": ((205, 240), (0.55, 1.0)),
+    "yellow": ((48, 62), (0.8, 1.0)),
+    "purple": ((275, 305), (0.45, 0.85)),
 }
 SIZES = {"small": 44, "large": 80}  # side of the object's box, in pixels of a 224x224 image
 SPLITS = ("train", "val", "test")
-GENERATOR_VERSION = 1  # bump when drawing or captions change, so feature caches are rebuilt
+GENERATOR_VERSION = 2  # bump when drawing or captions change, so feature caches are rebuilt
 NUMBERS = ("one", "two", "three")
 
 
@@ -99,25 +105,61 @@ def _well_separated(objects: list[ShapeObject], gap: float, margin: float) -> bo
     return True
 
 
+def _hsv(hue: float, saturation: float, value: float) -> np.ndarray:
+    return np.array(colorsys.hsv_to_rgb((hue / 360) % 1, saturation, value)) * 255
+
+
+def _background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A plain colour or a linear gradient, light, mid or dark, neutral or slightly tinted: (size, size, 3) floats."""
+    low, high = ((0.8, 1.0), (0.4, 0.65), (0.0, 0.25))[rng.integers(3)]
+    tint = rng.random() < 0.5  # else neutral: white, grey or black
+    first = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, rng.uniform(low, high))
+    if rng.random() < 0.5:
+        return np.broadcast_to(first, (size, size, 3)).copy()
+    second = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, rng.uniform(low, high))
+    angle = rng.uniform(0, 2 * np.pi)
+    y, x = np.mgrid[0:size, 0:size] / (size - 1) - 0.5
+    t = np.clip(x * np.cos(angle) + y * np.sin(angle) + 0.5, 0, 1)[..., None]
+    return (1 - t) * first + t * second
+
+
+def _outline(obj: ShapeObject, angle: float, oversample: int) -> list[tuple[float, float]]:
+    """The shape's corners, rotated by `angle` about its centre and shrunk to stay inside its box."""
+    x0, y0, x1, y1 = (v * oversample for v in obj.box)
+    cx, cy, r = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2
+    corners = {
+        "square": [(-1, -1), (1, -1), (1, 1), (-1, 1)],
+        "triangle": [(0, -1), (1, 1), (-1, 1)],
+        "diamond": [(0, -1), (1, 0), (0, 1), (-1, 0)],
+    }[obj.shape]
+    cos, sin = np.cos(angle), np.sin(angle)
+    shrink = r / (abs(cos) + abs(sin))
+    return [(cx + shrink * (u * cos - v * sin), cy + shrink * (u * sin + v * cos)) for u, v in corners]
+
+
 def render(objects: list[ShapeObject], rng: np.random.Generator, image_size: int = 224) -> Image.Image:
-    """Draw the objects, colours slightly jittered, on a grey background with Gaussian noise."""
-    base = rng.integers(90, 160)
-    noise = rng.normal(0, 18, size=(image_size, image_size, 3))
-    image = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
-    draw = ImageDraw.Draw(image)
+    """Draw the objects on a varied background: each in a random shade of its colour, rotated by up to 10 degrees
+    (circles excepted) and anti-aliased (drawn at 4x and reduced); then noise over everything, and for about half
+    the images a JPEG round trip."""
+    pixels = _background(rng, image_size)
+    oversample = 4
     for obj in objects:
-        color = tuple(int(np.clip(c + rng.integers(-15, 16), 0, 255)) for c in COLORS[obj.color])
-        x0, y0, x1, y1 = obj.box
-        x1, y1 = x1 - 1, y1 - 1
-        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        (hue_low, hue_high), (value_low, value_high) = COLORS[obj.color]
+        color = _hsv(rng.uniform(hue_low, hue_high), rng.uniform(0.65, 1.0), rng.uniform(value_low, value_high))
+        mask = Image.new("L", (image_size * oversample,) * 2, 0)
         if obj.shape == "circle":
-            draw.ellipse((x0, y0, x1, y1), fill=color)
-        elif obj.shape == "square":
-            draw.rectangle((x0, y0, x1, y1), fill=color)
-        elif obj.shape == "triangle":
-            draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=color)
+            x0, y0, x1, y1 = (v * oversample for v in obj.box)
+            ImageDraw.Draw(mask).ellipse((x0, y0, x1 - 1, y1 - 1), fill=255)
         else:
-            draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=color)
+            ImageDraw.Draw(mask).polygon(_outline(obj, np.radians(rng.uniform(-10, 10)), oversample), fill=255)
+        cover = np.asarray(mask.reduce(oversample), dtype=np.float64)[..., None] / 255
+        pixels = (1 - cover) * pixels + cover * color
+    pixels += rng.normal(0, rng.choice([0, 0, 4, 8, 14, 20]), size=pixels.shape)
+    image = Image.fromarray(np.clip(pixels, 0, 255).round().astype(np.uint8), "RGB")
+    if rng.random() < 0.5:
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=int(rng.integers(35, 91)))
+        image = Image.open(buffer).convert("RGB")
     return image
 
 
@@ -175,7 +217,7 @@ def describe(objects: list[ShapeObject], image_size: int = 224) -> list[Caption]
         relational = _chain(objects, list(range(n)))
         picture = [("a", -1), ("picture", -1), ("of", -1)] + _chain(objects, list(range(last, -1, -1)))
     counting = [(NUMBERS[last], -1), ("shape" if n == 1 else "shapes", -1), (":", -1)] + _listing(objects)
-    there = [("there", -1), ("is", -1)] + _listing(objects) + [(w, -1) for w in ("on", "a", "gray", "background")]
+    there = [("there", -1), ("is", -1)] + _listing(objects) + [(w, -1) for w in ("in", "the", "picture")]
     short = _listing(objects, with_size=False)
     return [_caption(words) for words in (relational, counting, there, short, picture)]
 

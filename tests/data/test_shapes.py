@@ -1,5 +1,7 @@
+import colorsys
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +82,26 @@ def test_relations_follow_the_boxes():
             assert ("above" if by > ay else "below") in first
         checked += 1
     assert checked > 20
+
+
+def test_each_colour_word_is_a_range_of_shades_on_varied_backgrounds():
+    """Version 2 of the generator: a colour word names shades of one hue range, and backgrounds are light and dark."""
+    dataset = ShapesDataset("train", 200, seed=0)
+    shades, corners = {name: [] for name in COLORS}, []
+    for i in range(len(dataset)):
+        pixels = np.asarray(dataset.load_image(i), dtype=np.float64) / 255
+        corners.append(pixels[:6, :6].mean())
+        for obj in dataset.objects(i):
+            cx, cy = (round(v) for v in obj.center)
+            r, g, b = pixels[cy - 3 : cy + 4, cx - 3 : cx + 4].reshape(-1, 3).mean(0)  # the middle, noise averaged
+            hue, _, value = colorsys.rgb_to_hsv(r, g, b)
+            shades[obj.color].append((hue * 360, value))
+    for name, ((low, high), _) in COLORS.items():
+        hues = np.array([h for h, _ in shades[name]])
+        hues = np.where(hues > 180, hues - 360, hues) if low < 0 else hues  # red straddles 0 degrees
+        assert np.all((hues > low - 12) & (hues < high + 12)), name  # noise and JPEG move a hue a little
+        assert hues.std() > (high - low) / 5, name  # and the shade varies over the range (uniform: width / 3.5)
+    assert min(corners) < 0.3 and max(corners) > 0.75  # dark and light backgrounds
 
 
 OBJECTS = [

@@ -1,6 +1,5 @@
-"""Single shapes drawn plainly, by code apart from the shapes generator: PIL primitives in PIL's standard colours
-("blue" is 0,0,255) on plain backgrounds. A model that learnt the words, not the generator's exact pixels, names the
-colour and the shape of each."""
+"""The bundled model (`Captioner.load("shapes")`), judged as issue #37 asks: on held-out images of its own split,
+where it looks and what it says, and on single shapes drawn plainly by code apart from the generator."""
 
 from __future__ import annotations
 
@@ -11,7 +10,38 @@ import pytest
 from PIL import Image, ImageDraw
 
 from captioner import Captioner
-from captioner.data.shapes import COLORS, SHAPES
+from captioner.data.shapes import COLORS, SHAPES, ShapesDataset, attention_correctness
+from captioner.data.vocab import tokenize
+from captioner.metrics import bleu
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    """200 images of the shapes test split, captioned greedily (as `captioner test` decodes)."""
+    test = ShapesDataset("test", 200, seed=0)
+    images = [test.load_image(i) for i in range(len(test))]
+    return test, Captioner.load("shapes").caption(images, beam_size=1)
+
+
+def test_on_its_test_split_its_attention_lands_on_the_object_it_names(held_out):
+    test, results = held_out
+    masses = []
+    for i, result in enumerate(results):
+        words_masses, _ = attention_correctness(
+            result.tokens, result.alphas, result.grid_hw, test.objects(i), (test.image_size,) * 2
+        )
+        masses += words_masses
+    assert len(masses) > 300  # most images' object words are named right, so they count
+    assert sum(masses) / len(masses) >= 0.75
+
+
+def test_on_its_test_split_it_says_what_is_there(held_out):
+    test, results = held_out
+    references = [[tokenize(c) for c in test.captions(i)] for i in range(len(test))]
+    assert bleu([r.tokens for r in results], references) >= 0.93
+    exact = sum(r.tokens in refs for r, refs in zip(results, references, strict=True))
+    assert exact >= 0.6 * len(results)  # most captions reproduce one of the five references word for word
+
 
 BACKGROUNDS = ("white", "lightgray", "gray", "black", "beige", "lightblue")
 
@@ -33,7 +63,8 @@ def draw(shape: str, color: str, side: int, corner: tuple[int, int], background:
 
 
 def plain_split() -> list[tuple[str, str, Image.Image]]:
-    """Every shape, colour and background once (120 images), at a random size and place (seeded)."""
+    """Single shapes drawn plainly: PIL primitives in PIL's standard colours ("blue" is 0,0,255) on plain
+    backgrounds. Every shape, colour and background once (120 images), at a random size and place (seeded)."""
     rng = random.Random(0)
     cases = []
     for shape, color, background in itertools.product(SHAPES, COLORS, BACKGROUNDS):
