@@ -14,7 +14,7 @@ from captioner.models.decoder import AttentionDecoder
 
 # name -> (P, E, D, A, M, V): grid positions, encoder channels, LSTM, attention, embedding and vocabulary sizes
 SIZES = {
-    "shapes": (49, 1280, 256, 256, 128, 32),  # configs/shapes.yaml: EfficientNet-Lite0's 7x7 grid, its vocabulary
+    "shapes": (49, 1280, 256, 256, 128, 32),  # the shapes decoder on EfficientNet-Lite0's 7x7 grid (feature_stride 32)
     "paper": (196, 2048, 512, 512, 512, 10000),  # a ResNet's 14x14 grid, the paper's decoder and vocabulary sizes
 }
 SPECIAL = {"pad_index": 0, "start_index": 1, "end_index": 2}

@@ -3,9 +3,9 @@
 Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes), slightly rotated and anti-aliased, on
 a varied background (plain or a gradient, light, mid or dark, with noise of several strengths), and about half the
 images are JPEG-compressed. Each colour word covers a range of shades, so a model learns the word, not one RGB
-value. Every image has five captions, one per annotator style, each naming colour, size, shape and spatial relations in its own phrasing.
-For attention checks, every object's box is kept, and every caption word that names an object (its size, colour or
-shape word) is linked to that object.
+value. Every image has five captions, one per annotator style, each naming colour, size, shape and spatial
+relations in its own phrasing. For attention checks, every object's box is kept, and every caption word that names
+an object (its size, colour or shape word) is linked to that object.
 
 Everything is a pure function of (seed, split, index): the same seed always gives the same bytes.
 """
