@@ -70,7 +70,7 @@ def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_to_the_same_weights(tmp_p
     assert state["lr_schedulers"][0]["_last_lr"] == schedule.get_last_lr()
     logged = [row for row in csv.DictReader(next((tmp_path / "run" / "logs").rglob("version_1/metrics.csv")).open())]
     assert sorted({int(row["epoch"]) for row in logged if row.get("val/bleu4")}) == list(range(1, EPOCHS))
-    # The same weights: the optimizer, the plateau schedule and early stopping come back from last.ckpt, and so do
+    # The same weights: the optimizer, the learning-rate schedule and early stopping come back from last.ckpt, and so do
     # the random generators, so the resumed epochs shuffle the data and draw dropout masks as the first run did.
     for name, tensor in weights.items():
         torch.testing.assert_close(state["state_dict"][name], tensor, rtol=0, atol=1e-6, msg=name)

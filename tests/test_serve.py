@@ -68,9 +68,9 @@ def post(url: str, content: bytes, name: str = "image.png", **form) -> httpx.Res
 
 
 def test_the_api_answers_what_the_python_api_does(server, images):
-    health = httpx.get(f"{server}/healthz").json()
-    assert health["status"] == "ok" and health["grid"] == [14, 14]
     content, expected = images[0]
+    health = httpx.get(f"{server}/healthz").json()
+    assert health["status"] == "ok" and health["grid"] == list(expected.grid_hw)
     response = post(server, content, beam_size=3)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -78,10 +78,10 @@ def test_the_api_answers_what_the_python_api_does(server, images):
     assert answer["caption"] == expected.text == " ".join(answer["tokens"])
     assert answer["tokens"] == expected.tokens
     assert answer["score"] == pytest.approx(expected.score, abs=1e-3)
-    assert answer["grid"] == [14, 14]
+    assert answer["grid"] == list(expected.grid_hw)
     assert len(answer["alphas"]) == len(answer["tokens"])
     for row, expected_row in zip(answer["alphas"], expected.alphas.tolist(), strict=True):
-        assert len(row) == 14 * 14 and sum(row) == pytest.approx(1, abs=1e-3)
+        assert len(row) == expected.grid_hw[0] * expected.grid_hw[1] and sum(row) == pytest.approx(1, abs=1e-3)
         assert row == pytest.approx(expected_row, abs=1e-3)
 
 
