@@ -1,9 +1,9 @@
 """The built-in "shapes" caption set: procedurally drawn scenes with COCO-style captions and ground-truth boxes.
 
-Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes), slightly rotated and anti-aliased, on
-a varied background (plain or a gradient, light, mid or dark, with noise of several strengths), and about half the
-images are JPEG-compressed. Each colour word covers a range of shades, so a model learns the word, not one RGB
-value. Every image has five captions, one per annotator style, each naming colour, size, shape and spatial
+Each image holds 1-3 non-overlapping objects (4 shapes, 5 colours, 2 sizes), slightly rotated and anti-aliased
+or not, on a varied background (plain or a gradient, light, mid or dark, clean or with noise of several strengths),
+and a third of the images are JPEG-compressed. Each colour word covers a range of shades, so a model learns the word,
+not one RGB value. Every image has five captions, one per annotator style, each naming colour, size, shape and spatial
 relations in its own phrasing. For attention checks, every object's box is kept, and every caption word that names
 an object (its size, colour or shape word) is linked to that object.
 
@@ -37,7 +37,7 @@ COLORS = {
 }
 SIZES = {"small": 44, "large": 80}  # side of the object's box, in pixels of a 224x224 image
 SPLITS = ("train", "val", "test")
-GENERATOR_VERSION = 2  # bump when drawing or captions change, so feature caches are rebuilt
+GENERATOR_VERSION = 3  # bump when drawing or captions change, so feature caches are rebuilt
 NUMBERS = ("one", "two", "three")
 
 
@@ -105,6 +105,13 @@ def _well_separated(objects: list[ShapeObject], gap: float, margin: float) -> bo
     return True
 
 
+def _shade(rng: np.random.Generator, low: float, high: float) -> float:
+    """Uniform in [low, high], except that each end is drawn a sixth of the time: vivid and pure shades (full
+    saturation, full brightness, a pure white background) are common in real drawings and would be rare otherwise."""
+    spill = (high - low) / 4
+    return float(np.clip(rng.uniform(low - spill, high + spill), low, high))
+
+
 def _hsv(hue: float, saturation: float, value: float) -> np.ndarray:
     return np.array(colorsys.hsv_to_rgb((hue / 360) % 1, saturation, value)) * 255
 
@@ -113,10 +120,10 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
     """A plain colour or a linear gradient, light, mid or dark, neutral or slightly tinted: (size, size, 3) floats."""
     low, high = ((0.8, 1.0), (0.4, 0.65), (0.0, 0.25))[rng.integers(3)]
     tint = rng.random() < 0.5  # else neutral: white, grey or black
-    first = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, rng.uniform(low, high))
+    first = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, _shade(rng, low, high))
     if rng.random() < 0.5:
         return np.broadcast_to(first, (size, size, 3)).copy()
-    second = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, rng.uniform(low, high))
+    second = _hsv(rng.uniform(0, 360), rng.uniform(0, 0.25) * tint, _shade(rng, low, high))
     angle = rng.uniform(0, 2 * np.pi)
     y, x = np.mgrid[0:size, 0:size] / (size - 1) - 0.5
     t = np.clip(x * np.cos(angle) + y * np.sin(angle) + 0.5, 0, 1)[..., None]
@@ -139,13 +146,13 @@ def _outline(obj: ShapeObject, angle: float, oversample: int) -> list[tuple[floa
 
 def render(objects: list[ShapeObject], rng: np.random.Generator, image_size: int = 224) -> Image.Image:
     """Draw the objects on a varied background: each in a random shade of its colour, rotated by up to 10 degrees
-    (circles excepted) and anti-aliased (drawn at 4x and reduced); then noise over everything, and for about half
-    the images a JPEG round trip."""
+    (circles excepted), anti-aliased (drawn at 4x and reduced) in half the images; then, in half the images, noise
+    over everything, and for a third of them a JPEG round trip."""
     pixels = _background(rng, image_size)
-    oversample = 4
+    oversample = 4 if rng.random() < 0.5 else 1
     for obj in objects:
         (hue_low, hue_high), (value_low, value_high) = COLORS[obj.color]
-        color = _hsv(rng.uniform(hue_low, hue_high), rng.uniform(0.65, 1.0), rng.uniform(value_low, value_high))
+        color = _hsv(_shade(rng, hue_low, hue_high), _shade(rng, 0.65, 1.0), _shade(rng, value_low, value_high))
         mask = Image.new("L", (image_size * oversample,) * 2, 0)
         if obj.shape == "circle":
             x0, y0, x1, y1 = (v * oversample for v in obj.box)
@@ -154,9 +161,9 @@ def render(objects: list[ShapeObject], rng: np.random.Generator, image_size: int
             ImageDraw.Draw(mask).polygon(_outline(obj, np.radians(rng.uniform(-10, 10)), oversample), fill=255)
         cover = np.asarray(mask.reduce(oversample), dtype=np.float64)[..., None] / 255
         pixels = (1 - cover) * pixels + cover * color
-    pixels += rng.normal(0, rng.choice([0, 0, 4, 8, 14, 20]), size=pixels.shape)
+    pixels += rng.normal(0, rng.choice([0, 0, 0, 0, 4, 8, 14, 20]), size=pixels.shape)
     image = Image.fromarray(np.clip(pixels, 0, 255).round().astype(np.uint8), "RGB")
-    if rng.random() < 0.5:
+    if rng.random() < 1 / 3:
         buffer = io.BytesIO()
         image.save(buffer, "JPEG", quality=int(rng.integers(35, 91)))
         image = Image.open(buffer).convert("RGB")

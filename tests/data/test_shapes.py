@@ -11,6 +11,7 @@ from captioner.data.shapes import (
     SIZES,
     ShapeObject,
     ShapesDataset,
+    _shade,
     attention_correctness,
     link_words_to_objects,
 )
@@ -85,12 +86,13 @@ def test_relations_follow_the_boxes():
 
 
 def test_each_colour_word_is_a_range_of_shades_on_varied_backgrounds():
-    """Version 2 of the generator: a colour word names shades of one hue range, and backgrounds are light and dark."""
+    """A colour word names shades of one hue range; backgrounds are light and dark, clean or noisy."""
     dataset = ShapesDataset("train", 200, seed=0)
-    shades, corners = {name: [] for name in COLORS}, []
+    shades, corners, flat = {name: [] for name in COLORS}, [], []
     for i in range(len(dataset)):
         pixels = np.asarray(dataset.load_image(i), dtype=np.float64) / 255
         corners.append(pixels[:6, :6].mean())
+        flat.append(np.ptp(pixels[:6, :6].reshape(-1, 3), axis=0).max() == 0)
         for obj in dataset.objects(i):
             cx, cy = (round(v) for v in obj.center)
             r, g, b = pixels[cy - 3 : cy + 4, cx - 3 : cx + 4].reshape(-1, 3).mean(0)  # the middle, noise averaged
@@ -102,6 +104,17 @@ def test_each_colour_word_is_a_range_of_shades_on_varied_backgrounds():
         assert np.all((hues > low - 12) & (hues < high + 12)), name  # noise and JPEG move a hue a little
         assert hues.std() > (high - low) / 5, name  # and the shade varies over the range (uniform: width / 3.5)
     assert min(corners) < 0.3 and max(corners) > 0.75  # dark and light backgrounds
+    assert 0.3 < np.mean(flat) < 0.6  # no noise in half the images, as in plain drawings (a flat corner: 0.465)
+
+
+def test_a_shade_is_uniform_in_its_range_with_each_end_a_sixth_of_the_time():
+    rng = np.random.default_rng(0)
+    shades = np.array([_shade(rng, 0.65, 1.0) for _ in range(3000)])
+    assert shades.min() == 0.65 and shades.max() == 1.0
+    for end in (0.65, 1.0):  # full saturation or brightness: pure colours, as plain drawings use them
+        assert abs(np.mean(shades == end) - 1 / 6) < 0.03  # 3.5 standard errors
+    inside = shades[(shades > 0.65) & (shades < 1.0)]
+    assert abs(np.mean(inside < 0.825) - 0.5) < 0.05  # and uniform in between
 
 
 OBJECTS = [
