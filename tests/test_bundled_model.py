@@ -16,11 +16,16 @@ from captioner.metrics import bleu
 
 
 @pytest.fixture(scope="module")
-def held_out() -> dict[str, float]:
+def model() -> Captioner:
+    return Captioner.load("shapes")
+
+
+@pytest.fixture(scope="module")
+def held_out(model) -> dict[str, float]:
     """Attention correctness, BLEU-4 and exact captions on the 500 images of the shapes test split, decoded with
     beam 3 as `captioner caption`, `captioner serve` and `Captioner.caption` decode by default."""
     test = ShapesDataset("test", 500, seed=0)
-    results = Captioner.load("shapes").caption([test.load_image(i) for i in range(len(test))], beam_size=3)
+    results = model.caption([test.load_image(i) for i in range(len(test))], beam_size=3)
     references = [[tokenize(c) for c in test.captions(i)] for i in range(len(test))]
     masses = []
     for i, r in enumerate(results):
@@ -36,10 +41,10 @@ def held_out() -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def plain() -> float:
+def plain(model) -> float:
     """The share of plainly drawn single shapes (`plain_split`) whose colour and shape the model names (beam 3)."""
     cases = plain_split()
-    results = Captioner.load("shapes").caption([image for *_, image in cases], beam_size=3)
+    results = model.caption([image for *_, image in cases], beam_size=3)
     named = sum(shape in r.tokens and color in r.tokens for (shape, color, _), r in zip(cases, results, strict=True))
     print(f"\nbundled model, {len(cases)} plainly drawn shapes, colour and shape named: {named}")  # with -s
     return named / len(cases)
