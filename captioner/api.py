@@ -23,6 +23,7 @@ from PIL import Image
 from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
+from captioner.files import replace_atomically
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.show_attend_tell import ShowAttendTell
 
@@ -209,5 +210,6 @@ def export(checkpoint: str | Path, output: str | Path, include_encoder: bool | N
     hparams = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": EXPORT_FORMAT, "hparams": hparams, "vocab": vocab, "state_dict": weights}, output)
+    model = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": vocab, "state_dict": weights}
+    replace_atomically(output, lambda file: torch.save(model, file))  # a kill mid-write leaves the old file whole
     return output

@@ -267,16 +267,37 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--checkpoint", default="shapes", help="bundled model name, exported model or .ckpt")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (others need it said)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--max-upload-mb", type=float, default=20, help="larger uploads get a 400 error")
-    parser.add_argument("--max-batch", type=int, default=8, help="most waiting requests captioned as one batch")
+    parser.add_argument(
+        "--max-upload-mb", type=float, default=20, help="larger uploads get a 413, and are not read further (20)"
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="most waiting requests captioned as one batch, and most images decoded at once (8)",
+    )
+    parser.add_argument(
+        "--max-pixels",
+        type=float,
+        default=25e6,
+        help="larger images are refused from their header, before decoding (25e6: 25 megapixels)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30,
+        help="seconds a connection may wait for a request's head or body, or stay idle, before it is closed (30)",
+    )
+    parser.add_argument("--max-connections", type=int, default=64, help="over this many, new requests get a 503 (64)")
     args = parser.parse_args(argv)
-    if args.max_upload_mb <= 0 or args.max_batch < 1:
-        raise ConfigError("--max-upload-mb and --max-batch must be positive")
+    limits = (args.max_upload_mb, args.max_batch, args.max_pixels, args.timeout, args.max_connections)
+    if min(limits) <= 0:
+        raise ConfigError("--max-upload-mb, --max-batch, --max-pixels, --timeout, --max-connections must be positive")
     try:
         from captioner.serve import serve as run
     except ImportError as err:
         raise ConfigError(f"captioner serve needs {err.name}: pip install 'captioner[serve]'") from None
-    run(args.checkpoint, args.host, args.port, args.max_upload_mb, args.max_batch)
+    run(args.checkpoint, args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
 
 
 COMMANDS = {

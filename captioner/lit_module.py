@@ -8,9 +8,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from captioner.data.shapes import attention_correctness
+from captioner.data.shapes import attention_ceiling, attention_correctness
 from captioner.data.vocab import Vocabulary
-from captioner.errors import ConfigError
+from captioner.errors import CaptionerError, ConfigError
 from captioner.metrics import bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
 
@@ -91,7 +91,7 @@ class CaptioningModule(L.LightningModule):
             **model_options,
         )
         self.model.encoder.fine_tune(fine_tune_blocks)
-        self._decoded: list[tuple] = []  # (image index, words, references, attention masses, uniform baselines)
+        self._decoded: list[tuple] = []  # (image index, words, references, attention masses, baselines, ceilings)
         self._resumed_rng_states: dict | None = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -113,16 +113,32 @@ class CaptioningModule(L.LightningModule):
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         images, annotations = batch.get("images"), batch.get("annotations")
         loss = self.model(batch["captions"], batch["lengths"], images=images, annotations=annotations)
+        if not torch.isfinite(loss.loss):  # stop at once, rather than train and log NaN to the end
+            raise CaptionerError(
+                f"{stage}/loss is {loss.loss.item()} at epoch {self.current_epoch}, step {self.global_step}: the model "
+                "overflowed (annotations too large for the decoder, a learning rate too high, or float16 precision: "
+                "try --model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
+            )
         B = batch["captions"].size(0)
         self.log(f"{stage}/loss", loss.loss, prog_bar=True, batch_size=B)
         self.log(f"{stage}/nll_per_word", loss.nll_per_word, batch_size=B)
         self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
         return loss.loss
 
-    def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor | None:
-        if batch is None:  # every image of the batch was unreadable (each was reported); skip the step
-            return None
+    def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor:
+        if batch is None:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
+            return self._skipped_step()
         return self._shared_step(batch, "train")
+
+    def _skipped_step(self) -> torch.Tensor:
+        """The loss of a batch with no readable image: zero, over every trainable parameter. Under DDP the other
+        processes train on their batches, and every process must take part in the same gradient all-reduce (and in
+        hard attention's baseline update); returning None would stop a DDP run. The gradient is zero, so this
+        process adds nothing to the average, though Adam's step still moves the weights by its momentum."""
+        if self.model.attention_mode == "hard" and self.model.training:
+            self.model.update_baseline(None)
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.stack([p.sum() for p in trainable]).sum() * 0.0
 
     def _decode_step(self, batch: dict, stage: str) -> None:
         """Loss on the first reference, then one greedy decode per image, scored at the epoch's end against all its
@@ -135,26 +151,26 @@ class CaptioningModule(L.LightningModule):
         )
         for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
             words = self.vocab.decode_tokens(tokens)
-            masses, baselines = [], []
+            masses, baselines, ceilings = [], [], []
             objects = batch["objects"][i]
             if objects is not None:  # only datasets with object boxes (shapes)
-                size = batch["canvas"][i]
-                masses, baselines = attention_correctness(
-                    words, generation.alphas[i], self.model.encoder.grid_hw, objects, (size, size)
-                )
-            self._decoded.append((index, words, batch["references"][i], masses, baselines))
+                size, grid = batch["canvas"][i], self.model.encoder.grid_hw
+                masses, baselines = attention_correctness(words, generation.alphas[i], grid, objects, (size, size))
+                ceilings = attention_ceiling(words, grid, objects, (size, size))
+            self._decoded.append((index, words, batch["references"][i], masses, baselines, ceilings))
 
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
         that the DistributedSampler repeated to even out the ranks count once. Every rank gets the same values."""
         decoded = {index: rest for index, *rest in gather(self._decoded)}  # a repeated image has the same caption
         self._decoded = []
-        hypotheses, references, masses, baselines = ([decoded[i][field] for i in sorted(decoded)] for field in range(4))
+        hypotheses, references, *per_word = ([decoded[i][field] for i in sorted(decoded)] for field in range(5))
         metrics = {f"{stage}/bleu4": bleu(hypotheses, references, n=4), f"{stage}/cider": cider(hypotheses, references)}
-        masses, baselines = [m for ms in masses for m in ms], [b for bs in baselines for b in bs]
-        if masses:
+        masses, baselines, ceilings = ([value for values in field for value in values] for field in per_word)
+        if masses:  # attention correctness, with what uniform attention scores and the best a grid can score
             metrics[f"{stage}/attn_correctness"] = sum(masses) / len(masses)
             metrics[f"{stage}/attn_uniform_baseline"] = sum(baselines) / len(baselines)
+            metrics[f"{stage}/attn_ceiling"] = sum(ceilings) / len(ceilings)
         for name, value in metrics.items():  # equal on every rank: "max" keeps it exact and Lightning's DDP check quiet
             self.log(name, value, prog_bar=name.endswith("bleu4"), sync_dist=True, reduce_fx="max")
         return metrics
@@ -185,7 +201,9 @@ class CaptioningModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._decode_epoch_end("test")
 
-    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+    def predict_step(self, batch: dict | None, batch_idx: int) -> list[dict]:
+        if batch is None:  # no readable image in the batch (each was reported)
+            return []
         generation = self.model.generate(
             images=batch.get("images"),
             annotations=batch.get("annotations"),
@@ -193,7 +211,7 @@ class CaptioningModule(L.LightningModule):
             beam_size=self.hparams.beam_size,
         )
         return [
-            {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score)}
+            {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score) if score.isfinite() else None}
             for i, tokens, score in zip(batch["index"], generation.tokens.tolist(), generation.scores, strict=True)
         ]
 

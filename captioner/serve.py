@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from PIL import Image
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from captioner.api import Captioner, CaptionResult
 from captioner.data.images import ImageError, load_image
@@ -33,6 +36,92 @@ from captioner.data.shapes import ShapesDataset
 
 STATIC = Path(__file__).parent / "static"
 MAX_BEAM_SIZE = 10
+MULTIPART_SLACK = 2**16  # bytes of form fields and part headers allowed beside an image of the largest size
+
+
+class BodyRefused(Exception):
+    """Raised from `receive` by `BoundedBodies` when a request body is too large or stalls."""
+
+
+class BoundedBodies:
+    """ASGI middleware that reads a request body as it streams in, and stops reading it past `max_upload_mb` (plus
+    room for the form's other fields) or when no part of it arrives for `timeout` seconds: the request is then
+    answered 413 or 408 with a one-line JSON error, and the connection is closed. So a body without a Content-Length,
+    or one that stalls, costs at most the limit's bytes and `timeout` seconds; a declared Content-Length over the
+    limit is refused before anything is read."""
+
+    def __init__(self, app, max_upload_mb: float, timeout: float):
+        self.app, self.timeout = app, timeout
+        self.limit = int(max_upload_mb * 2**20) + MULTIPART_SLACK
+        self.over = f"over the {max_upload_mb:g} MB limit"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await refuse(send, 413, f"the upload is {int(declared) / 2**20:.1f} MB, {self.over}")
+        received, refusal, started = 0, None, False
+
+        async def bounded_receive() -> dict:
+            nonlocal received, refusal
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                refusal = (408, f"no part of the upload arrived for {self.timeout:g} s")
+                raise BodyRefused from None
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                refusal = (413, f"the upload is {self.over}")
+                raise BodyRefused
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            nonlocal started
+            if refusal is None:  # once refused, the app's own answer (a parse error, say) is not sent
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, guarded_send)
+        except BodyRefused:
+            if not started:
+                await refuse(send, *refusal)
+
+
+async def refuse(send, status: int, message: str) -> None:
+    """Answer a request with `{"error": message}` and close the connection (its body is not read further)."""
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class TimedProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a connection that has not sent a whole
+    request head `timeout_head` seconds after it opened, or after its last response, is closed. uvicorn's keep-alive
+    timer alone is cancelled by the first byte, so a client that sends half a head would hold its connection forever.
+    """
+
+    timeout_head = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        cycle = self.cycle  # a new request head makes a new cycle
+
+        def expire() -> None:
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+        self.loop.call_later(self.timeout_head, expire)
 
 
 class Batcher:
@@ -91,76 +180,118 @@ def example_images(count: int = 4) -> dict[str, bytes]:
     return examples
 
 
-def create_app(captioner: Captioner, max_upload_mb: float = 20, max_batch: int = 8) -> FastAPI:
+def create_app(
+    captioner: Captioner,
+    max_upload_mb: float = 20,
+    max_batch: int = 8,
+    max_pixels: int = 25_000_000,
+    timeout: float = 30,
+) -> FastAPI:
     """The FastAPI app: `GET /` (the page), `POST /api/caption`, `GET /healthz`, `GET /api/examples` and
-    `GET /examples/<name>` (the page's example images)."""
-    limit = int(max_upload_mb * 2**20)
-    batcher = Batcher(captioner, max_batch)
-    examples = example_images()
-    app = FastAPI(title="captioner", docs_url=None, redoc_url=None)  # their pages load scripts from a CDN
+    `GET /examples/<name>` (the page's example images); `HEAD` wherever `GET` works.
 
-    def error(message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=400)
+    Bounded against hostile clients: a body is read up to `max_upload_mb` (`BoundedBodies`), an image of more than
+    `max_pixels` is refused from its header, big images are decoded reduced to twice the model's input size, and at
+    most `max_batch` decoded images are held at once (the others wait, not decoded)."""
+    batcher = Batcher(captioner, max_batch)
+    decoding = asyncio.Semaphore(max_batch)  # decoded images in memory: from decoding until captioned
+    reduce_to = 2 * captioner.model.encoder.preprocessing.size
+    examples = example_images()
+    # No /docs, /redoc or /openapi.json: their pages load scripts from a CDN, and the API is the one route below.
+    app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout)
+
+    def error(message: str, status: int = 400) -> JSONResponse:
+        # The connection is closed after an error: what is left of the body, if any, is not read.
+        return JSONResponse({"error": message}, status_code=status, headers={"connection": "close"})
+
+    @app.exception_handler(HTTPException)  # 404, 405 and the like: the same one-line JSON as every other error
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return error(f"{request.method} {request.url.path}: {err.detail}", err.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_form(request: Request, err: RequestValidationError) -> JSONResponse:
-        problem = err.errors()[0]
-        return error(f"{problem['loc'][-1]}: {problem['msg']}")
+    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        return error(f"{request.method} {request.url.path}: invalid request")
 
-    @app.middleware("http")
-    async def refuse_large_bodies(request: Request, call_next):
-        # Before the form is parsed: a body far over the limit is not read at all. (A body without a length is
-        # spooled to disk by the form parser and measured below.)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit + 2**16:
-            return error(f"the upload is {int(declared) / 2**20:.1f} MB, over the {max_upload_mb:g} MB limit")
-        return await call_next(request)
-
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     def healthz() -> dict:
         return {"status": "ok", "grid": list(captioner.model.encoder.grid_hw), "vocab_size": len(captioner.vocab)}
 
-    @app.get("/api/examples")
+    @app.api_route("/api/examples", methods=["GET", "HEAD"])
     def example_names() -> list[str]:
         return list(examples)
 
-    @app.get("/examples/{name}")
+    @app.api_route("/examples/{name}", methods=["GET", "HEAD"])
     def example(name: str) -> Response:
         if name not in examples:
-            return JSONResponse({"error": f"{name}: no such example"}, status_code=404)
+            return error(f"{name}: no such example", 404)
         return Response(examples[name], media_type="image/png")
 
     @app.post("/api/caption")
-    async def caption(
-        image: Annotated[UploadFile | None, File()] = None, beam_size: Annotated[int, Form()] = 3
-    ) -> JSONResponse:
-        if image is None:
-            return error("no image: send the file in the form field 'image'")
-        name = image.filename or "upload"
-        if not 1 <= beam_size <= MAX_BEAM_SIZE:
-            return error(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {beam_size}")
-        if image.size is not None and image.size > limit:
-            return error(f"{name}: {image.size / 2**20:.1f} MB is over the {max_upload_mb:g} MB limit")
+    async def caption(request: Request) -> JSONResponse:
         try:
-            picture = await run_in_threadpool(load_image, image.file, name)
-        except ImageError as err:
-            return error(str(err))
-        result = await asyncio.wrap_future(batcher.submit(picture, beam_size))
-        return JSONResponse(answer(result))
+            form = await request.form(max_files=4, max_fields=16)
+        except HTTPException:  # python-multipart could not parse the body; its own words are not for the client
+            return error("the body is not valid multipart/form-data: send the file in the form field 'image'")
+        try:
+            images, beams = form.getlist("image"), form.getlist("beam_size")
+            if not images:
+                return error("no image: send the file in the form field 'image'")
+            if len(images) > 1 or len(beams) > 1:
+                return error("send one 'image' field and at most one 'beam_size' field per request")
+            image = images[0]
+            if not isinstance(image, UploadFile):
+                return error("image: a text field, not a file: send the file in the form field 'image'")
+            beam = beams[0] if beams else "3"
+            if not isinstance(beam, str) or not beam.strip().isdigit():
+                return error(f"beam_size: not a whole number ({str(beam)[:20]!r})")
+            beam_size = int(beam)
+            if not 1 <= beam_size <= MAX_BEAM_SIZE:
+                return error(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {beam_size}")
+            name = image.filename or "upload"
+            if image.size is not None and image.size > max_upload_mb * 2**20:
+                return error(f"{name}: {image.size / 2**20:.1f} MB is over the {max_upload_mb:g} MB limit", 413)
+            async with decoding:
+                try:
+                    picture = await run_in_threadpool(load_image, image.file, name, max_pixels, reduce_to)
+                except ImageError as err:
+                    return error(str(err))
+                result = await asyncio.wrap_future(batcher.submit(picture, beam_size))
+                return JSONResponse(answer(result))
+        finally:
+            await form.close()  # the spooled upload's memory or temporary file goes now
 
     return app
 
 
-def serve(checkpoint: str, host: str, port: int, max_upload_mb: float, max_batch: int) -> None:
+def serve(
+    checkpoint: str,
+    host: str,
+    port: int,
+    max_upload_mb: float,
+    max_batch: int,
+    max_pixels: int,
+    timeout: float,
+    max_connections: int,
+) -> None:
     import uvicorn
 
     captioner = Captioner.load(checkpoint)
-    app = create_app(captioner, max_upload_mb, max_batch)
+    app = create_app(captioner, max_upload_mb, max_batch, max_pixels, timeout)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")
     print(f"captioner serve: {checkpoint} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    # Idle keep-alive connections close after `timeout` s too; over `max_connections`, new requests get a 503.
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        http=type("TimedProtocol", (TimedProtocol,), {"timeout_head": timeout}),
+        timeout_keep_alive=int(timeout),
+        limit_concurrency=max_connections,
+    )

@@ -29,13 +29,18 @@ def png(image) -> bytes:
     return buffer.getvalue()
 
 
+TIMEOUT = 2  # the server's --timeout: seconds a stalled client keeps its connection
+
+
 @pytest.fixture(scope="module")
 def server():
-    """`captioner serve` with the bundled model and a 1 MB upload limit; yields its base URL."""
+    """`captioner serve` with the bundled model, a 1 MB upload limit, a 1 megapixel image limit and a 2 s timeout;
+    yields its base URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--max-upload-mb", "1"]
+    limits = ["--max-upload-mb", "1", "--max-pixels", "1e6", "--timeout", str(TIMEOUT)]
+    command = [sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), *limits]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -85,23 +90,102 @@ def test_the_api_answers_what_the_python_api_does(server, images):
         assert row == pytest.approx(expected_row, abs=1e-3)
 
 
-def test_bad_uploads_get_a_one_line_400_and_the_server_stays_up(server, images):
+def multipart(*parts: tuple[str, str | None, bytes]) -> tuple[bytes, dict]:
+    """A multipart/form-data body of (field, file name or None for a text field, content) parts, and its header."""
+    body = b""
+    for field, filename, content in parts:
+        disposition = f'form-data; name="{field}"' + (f'; filename="{filename}"' if filename else "")
+        body += f"--xyz\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + content + b"\r\n"
+    return body + b"--xyz--\r\n", {"content-type": "multipart/form-data; boundary=xyz"}
+
+
+FILE_PART = b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="big.png"\r\n\r\n'  # then content
+
+
+def chunks(total: int, size: int = 2**16):
+    """A body of `total` bytes sent in chunks, with no Content-Length (Transfer-Encoding: chunked)."""
+    for _ in range(total // size):
+        yield b"\0" * size
+
+
+def test_bad_uploads_get_a_one_line_error_and_the_server_stays_up(server, images):
     content = images[0][0]
+    two_images, form = multipart(("image", "a.png", content), ("image", "b.png", content))
+    text_image, _ = multipart(("image", None, b"not a file"))
     cases = [
-        (post(server, b"my shopping list\n" * 10, "notes.txt"), "notes.txt: not an image file PIL can read"),
-        (post(server, content[: len(content) // 2], "cut.png"), "cut.png: cannot decode image"),
-        (post(server, png_claiming(100_000, 100_000), "bomb.png"), "bomb.png: refused as a possible decompression"),
-        (post(server, os.urandom(1_200_000), "huge.jpg"), "over the 1 MB limit"),
-        (post(server, content, beam_size=0), "beam_size must be between 1 and 10"),
-        (post(server, content, beam_size="wide"), "beam_size: "),
-        (httpx.post(f"{server}/api/caption", data={"beam_size": 3}), "no image: send the file in the form field"),
+        (post(server, b"my shopping list\n" * 10, "notes.txt"), 400, "notes.txt: not an image file PIL can read"),
+        (post(server, content[: len(content) // 2], "cut.png"), 400, "cut.png: cannot decode image"),
+        (post(server, png_claiming(100_000, 100_000), "bomb.png"), 400, "bomb.png: refused as a possible decompress"),
+        (post(server, png_claiming(1500, 1000), "big.png"), 400, "big.png: 1500x1000 pixels is over the 1 Mpx limit"),
+        (post(server, os.urandom(1_200_000), "huge.jpg"), 413, "the upload is 1.1 MB, over the 1 MB limit"),
+        (post(server, content, beam_size=0), 400, "beam_size must be between 1 and 10"),
+        (post(server, content, beam_size="wide"), 400, "beam_size: not a whole number ('wide')"),
+        (httpx.post(f"{server}/api/caption", data={"beam_size": 3}), 400, "no image: send the file in the form field"),
+        (httpx.post(f"{server}/api/caption", content=two_images, headers=form), 400, "send one 'image' field"),
+        (httpx.post(f"{server}/api/caption", content=text_image, headers=form), 400, "image: a text field, not a file"),
+        (httpx.post(f"{server}/api/caption", content=b"garbage", headers=form), 400, "not valid multipart"),
+        (httpx.get(f"{server}/api/caption"), 405, "GET /api/caption: Method Not Allowed"),
+        (httpx.get(f"{server}/openapi.json"), 404, "GET /openapi.json: Not Found"),
+        (httpx.get(f"{server}/docs"), 404, "GET /docs: Not Found"),
     ]
-    for response, message in cases:
-        assert response.status_code == 400, response.text
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        assert response.json() == {"error": response.json()["error"]}
         error = response.json()["error"]
         assert message in error and "\n" not in error, error
+    assert httpx.head(f"{server}/healthz").status_code == 200 == httpx.head(f"{server}/").status_code
     assert httpx.get(f"{server}/healthz").status_code == 200
     assert post(server, content).json()["caption"] == images[0][1].text
+
+
+@pytest.mark.parametrize("kind", ["multipart/form-data; boundary=xyz", "image/png"])
+def test_an_oversize_body_without_a_length_is_cut_off_at_the_limit(server, kind):
+    """A chunked body has no Content-Length to refuse it by. A form is read up to the limit, then answered 413; a body
+    that is not a form is not read at all (400). Either way the connection is closed: the client sees the answer, or
+    the connection cut while it is still sending."""
+    sent = 0
+
+    def body():
+        nonlocal sent
+        if kind.startswith("multipart"):  # one file part, whose content never ends
+            yield FILE_PART
+        for chunk in chunks(64 * 2**20):
+            sent += len(chunk)
+            yield chunk
+
+    status, message = (413, "over the 1 MB limit") if kind.startswith("multipart") else (400, "no image")
+    try:
+        response = httpx.post(f"{server}/api/caption", content=body(), headers={"content-type": kind})
+        assert response.status_code == status and message in response.json()["error"]
+    except httpx.TransportError:
+        pass
+    assert sent < 8 * 2**20  # not the 64 MB: the server stopped reading
+
+
+def test_stalled_clients_are_cut_off_after_the_timeout(server):
+    host, port = server.removeprefix("http://").split(":")
+    head = f"POST /api/caption HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; boundary=xyz\r\n"
+    stalls = {
+        "half a head": head.encode(),
+        "half a body": (head + "Content-Length: 100000\r\n\r\n").encode() + FILE_PART + b"\0" * 1000,
+        "nothing at all": b"",
+    }
+    clients = {what: socket.create_connection((host, int(port))) for what in stalls}  # all at once: one wait
+    start = time.monotonic()
+    for what, client in clients.items():
+        client.sendall(stalls[what])
+    for what, client in clients.items():
+        with client:
+            client.settimeout(TIMEOUT + 10)
+            answer = b""
+            while chunk := client.recv(4096):  # until the server closes the connection
+                answer += chunk
+            assert time.monotonic() - start < TIMEOUT + 5, what
+        if what == "half a body":
+            assert answer.startswith(b"HTTP/1.1 408") and b"no part of the upload arrived for 2 s" in answer, answer
+        else:
+            assert answer == b"", (what, answer)
+    assert time.monotonic() - start > TIMEOUT - 0.5  # they were held until the timeout, no sooner
 
 
 def test_twenty_requests_from_four_clients_are_each_answered_right(server, images):
@@ -127,7 +211,8 @@ def test_bad_options_are_one_line_errors(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--max-upload-mb", "0"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --max-upload-mb and --max-batch must be positive"
+    error = "--max-upload-mb, --max-batch, --max-pixels, --timeout, --max-connections must be positive"
+    assert capsys.readouterr().err.strip() == f"error: {error}"
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install chromium)")

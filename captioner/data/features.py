@@ -1,7 +1,9 @@
 """Frozen-encoder feature cache.
 
 With a frozen encoder the annotations of an image never change, so they are computed once and stored as one
-memory-mapped float16 array (N,P,E). Later epochs, and later runs, read the array instead of running the CNN.
+memory-mapped array (N,P,E). Later epochs, and later runs, read the array instead of running the CNN. The array is
+float16, half the disk of float32, unless some annotation is beyond float16's range (65,504: an untrained ResNet's
+reach 10^5): then it is float32, and a log line says so. A non-finite annotation is never stored.
 
 The cache key covers everything the annotations depend on: the encoder's weights, its preprocessing and grid, and
 the exact dataset split. Changing any of them builds a new cache next to the old one. A cache that is there but
@@ -30,10 +32,14 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.data.images import ImageError
+from captioner.errors import CaptionerError
 from captioner.files import build_lock, write_text_atomically
 from captioner.models.encoder import Encoder
 
 log = logging.getLogger(__name__)
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65,504: a larger annotation would be stored as inf
+CHECKED_ROWS = 64  # rows of an existing cache that `FeatureCache.problem` reads to look for non-finite values
 
 
 class ImageSource(Protocol):
@@ -109,6 +115,7 @@ class FeatureCache:
         self.dir = Path(root) / f"{source.identity}-{encoder.name}-{key}"
         self.path = self.dir / "annotations.npy"
         self.meta = self.dir / "meta.json"
+        self._partial: list[Path] = []  # the temporary array files of a build, the one being written last
 
     @property
     def exists(self) -> bool:
@@ -124,12 +131,17 @@ class FeatureCache:
             array = self.load()  # reads the header and maps the data: a truncated file fails here
         except (OSError, ValueError) as err:
             return f"damaged ({self.path.name}: {err})"
-        if array.shape != expected or array.dtype != np.float16:
-            return f"damaged ({self.path.name} is {array.dtype} of shape {array.shape}, not float16 {expected})"
         try:
             self.bad_indices()
+            dtype = self.dtype()
         except (OSError, ValueError) as err:  # json's JSONDecodeError is a ValueError
             return f"damaged ({self.meta.name}: {err})"
+        if array.shape != expected or array.dtype != dtype:
+            return f"damaged ({self.path.name} is {array.dtype} of shape {array.shape}, not {dtype} {expected})"
+        # A sample of rows, spread over the file: an older float16 cache of too-large annotations holds inf.
+        rows = np.unique(np.linspace(0, len(array) - 1, min(len(array), CHECKED_ROWS)).astype(int))
+        if len(rows) and not np.isfinite(array[rows]).all():
+            return f"damaged ({self.path.name} holds non-finite values)"
         return None
 
     def ensure(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
@@ -148,40 +160,62 @@ class FeatureCache:
             self.build(batch_size, num_workers, device)
 
     def build(self, batch_size: int = 32, num_workers: int = 0, device: torch.device | str = "cpu") -> None:
-        """Encode every image once and write the (N,P,E) float16 array; written to a temporary file first, so an
-        interrupted build never leaves a cache that looks complete.
+        """Encode every image once and write the (N,P,E) array, float16 (float32 if some value is beyond float16's
+        range); written to a temporary file first, so an interrupted build never leaves a cache that looks complete.
 
         Raises OSError, before encoding anything, when the cache cannot be written: its folder cannot be made, or the
         disk has too little space for the whole array (the array is memory-mapped, and a write that found the disk
-        full would kill the process with SIGBUS, so its space is reserved first where the OS allows). A build that
-        fails removes its temporary file.
+        full would kill the process with SIGBUS, so its space is reserved first where the OS allows). Raises
+        CaptionerError when the encoder gives a non-finite value. A build that fails removes its temporary files.
         """
         shape = (len(self.source), self.encoder.num_pixels, self.encoder.out_dim)
-        tmp = self.dir / f"annotations.{os.getpid()}.tmp.npy"
+        self._partial = []
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            needed, free = 2 * math.prod(shape), shutil.disk_usage(self.dir).free  # float16: 2 bytes
-            if needed > free:
-                space = f"no space left: it needs {size(needed)}, {size(free)} are free"
-                raise OSError(errno.ENOSPC, space, str(self.dir))
-            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
-            reserve(tmp)
-            bad = self._encode_into(array, batch_size, num_workers, device)
-            array.flush()
+            array, bad = self._encode_into(self._open_partial(shape, np.float16), batch_size, num_workers, device)
+            dtype = array.dtype
             del array
-            meta = {"source": self.source.identity, "encoder": self.encoder.name, "shape": list(shape), "bad": bad}
+            meta = {
+                "source": self.source.identity,
+                "encoder": self.encoder.name,
+                "shape": list(shape),
+                "dtype": str(dtype),
+                "bad": bad,
+            }
             write_text_atomically(self.meta, json.dumps(meta, indent=1))
-            os.replace(tmp, self.path)  # last: the array's presence means the cache is complete
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
+            os.replace(self._partial[-1], self.path)  # last: the array's presence means the cache is complete
+        finally:
+            for path in self._partial:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+
+    def _open_partial(self, shape: tuple[int, ...], dtype: type) -> np.memmap:
+        """A new temporary array file of `shape`, its disk space checked and reserved first (see `build`)."""
+        tmp = self.dir / f"annotations.{os.getpid()}.{np.dtype(dtype).name}.tmp.npy"
+        needed, free = np.dtype(dtype).itemsize * math.prod(shape), shutil.disk_usage(self.dir).free
+        if needed > free:
+            raise OSError(errno.ENOSPC, f"no space left: it needs {size(needed)}, {size(free)} are free", str(self.dir))
+        self._partial.append(tmp)
+        array = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        reserve(tmp)
+        return array
+
+    def _widen(self, array: np.memmap, done: int) -> np.memmap:
+        """The float32 copy of a float16 array whose first `done` rows are written, in a new temporary file."""
+        wide = self._open_partial(array.shape, np.float32)
+        for start in range(0, done, 1024):  # a piece at a time: the rows written so far may not fit in memory
+            wide[start : min(done, start + 1024)] = array[start : min(done, start + 1024)]
+        del array
+        with contextlib.suppress(OSError):
+            self._partial.pop(0).unlink()
+        return wide
 
     def _encode_into(
-        self, array: np.ndarray, batch_size: int, num_workers: int, device: torch.device | str
-    ) -> list[int]:
-        """Fill the memory-mapped array with the annotations of every image. Returns the indices of the images that
-        could not be read, whose rows stay zero."""
+        self, array: np.memmap, batch_size: int, num_workers: int, device: torch.device | str
+    ) -> tuple[np.memmap, list[int]]:
+        """Fill the memory-mapped array with the annotations of every image, widening it to float32 (a new array) at
+        the first value beyond float16's range. Returns the array written, flushed, and the indices of the images
+        that could not be read, whose rows stay zero."""
         loader = DataLoader(
             _Images(self.source, self.encoder.preprocessing.transforms()),
             batch_size=batch_size,
@@ -202,10 +236,26 @@ class FeatureCache:
                 rows = np.arange(start, start + len(ok))
                 bad += rows[~ok.numpy()].tolist()  # unreadable images: their rows stay zero, marked bad
                 if images is not None:
-                    annotations = encoder(images.to(device))  # (B',P,E)
-                    array[rows[ok.numpy()]] = annotations.cpu().numpy().astype(np.float16)
+                    annotations = encoder(images.to(device)).float().cpu()  # (B',P,E)
+                    if not torch.isfinite(annotations).all():
+                        raise CaptionerError(
+                            f"{self.encoder.name}: the encoder gives non-finite annotations for images {rows[0]}-"
+                            f"{rows[-1]} of {self.source.identity}; check its weights (pretrained, fine-tuned)"
+                        )
+                    largest = float(annotations.abs().max())
+                    if array.dtype == np.float16 and largest > FLOAT16_MAX:
+                        log.warning(
+                            "%s: %s annotations reach %.3g, beyond float16's range: the cache is float32 (twice the "
+                            "disk space)",
+                            self.dir,
+                            self.encoder.name,
+                            largest,
+                        )
+                        array = self._widen(array, start)
+                    array[rows[ok.numpy()]] = annotations.numpy().astype(array.dtype)
                 start += len(ok)
-        return bad
+        array.flush()
+        return array, bad
 
     def bad_indices(self) -> set[int]:
         """Images that could not be read when the cache was built. Raises ValueError when meta.json is not JSON, or
@@ -218,6 +268,14 @@ class FeatureCache:
             raise ValueError('not an object whose "bad" is a list of image indices')
         return set(bad)
 
+    def dtype(self) -> np.dtype:
+        """The array's type as meta.json records it (float16 for caches written before it did)."""
+        meta = json.loads(self.meta.read_text()) if self.meta.exists() else {}
+        dtype = meta.get("dtype", "float16") if isinstance(meta, dict) else None
+        if dtype not in ("float16", "float32"):
+            raise ValueError(f'"dtype" is {dtype!r}, not float16 or float32')
+        return np.dtype(dtype)
+
     def load(self) -> np.ndarray:
-        """The cached (N,P,E) float16 array, memory-mapped read-only."""
+        """The cached (N,P,E) array (float16, or float32 for large annotations), memory-mapped read-only."""
         return np.load(self.path, mmap_mode="r")

@@ -36,12 +36,20 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_image(path: str | Path | BinaryIO, name: str | None = None) -> Image.Image:
+def load_image(
+    path: str | Path | BinaryIO, name: str | None = None, max_pixels: int | None = None, reduce_to: int | None = None
+) -> Image.Image:
     """Open, fully decode and convert an image file (a path, or an open binary file called `name`) to RGB, or raise
     ImageError("<name>: <reason>").
 
     PIL's decompression-bomb guard stays on, and its warning is an error: a header claiming more than
     Image.MAX_IMAGE_PIXELS is refused before any pixel is decoded.
+
+    Args:
+        max_pixels: refuse, from the header and before decoding, an image of more pixels (None: PIL's limit only).
+        reduce_to: an image at least twice this size on both sides is made smaller, to no less than it: a JPEG is
+            decoded at 1/2, 1/4 or 1/8 scale (`Image.draft`), any other image reduced by an integer factor after
+            decoding. For a server that needs only the model's input size.
     """
     path = Path(path) if isinstance(path, (str, Path)) else path
     name = name or str(path)
@@ -49,8 +57,16 @@ def load_image(path: str | Path | BinaryIO, name: str | None = None) -> Image.Im
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
+                width, height = image.size
+                if max_pixels is not None and width * height > max_pixels:
+                    limit = f"{max_pixels / 1e6:g} Mpx"
+                    raise ImageError(f"{name}: {width}x{height} pixels is over the {limit} limit")
+                if reduce_to:
+                    image.draft(image.mode, (reduce_to, reduce_to))  # JPEG only; any other format ignores it
                 image.load()  # decode now, so a truncated file fails here and not later
-                return to_rgb(image)
+                rgb = to_rgb(image)
+                factor = min(rgb.size) // reduce_to if reduce_to else 1
+                return rgb.reduce(factor) if factor >= 2 else rgb
     except FileNotFoundError:
         reason = "file not found"
     except IsADirectoryError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -151,20 +152,40 @@ class ShowAttendTell(nn.Module):
     ) -> Loss:
         """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss."""
         annotations = self.annotate(images, annotations)
-        sample = self.training and self.attention_mode == "hard" and bool(torch.rand(()) >= self.expected_context_p)
+        hard_training = self.training and self.attention_mode == "hard"
+        sample = hard_training and bool(torch.rand(()) >= self.expected_context_p)
         logits, alphas, *locations = self.decoder(annotations, captions, lengths, sample)  # (B,T-1,V), (B,T-1,P)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
         loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index)
         if not sample:
+            if hard_training:
+                self.update_baseline(None)
             return loss
         mask = targets != self.pad_index
         log_likelihood = -(F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * mask).sum(1)  # (B,)
         extra = hard_attention_terms(
             log_likelihood, alphas, locations[0], mask, self.reward_baseline, self.reinforce_weight, self.entropy_weight
         )
-        with torch.no_grad():  # b <- 0.9 b + 0.1 log p(y|s,a), as in the paper
-            self.reward_baseline.mul_(0.9).add_(0.1 * log_likelihood.mean())
+        self.update_baseline(log_likelihood)
         return loss._replace(loss=loss.loss + extra)
+
+    @torch.no_grad()
+    def update_baseline(self, log_likelihood: torch.Tensor | None) -> None:
+        """Hard attention's b <- 0.9 b + 0.1 mean log p(y|s,a) (§4.1), the mean over the captions (B,) of a batch
+        trained with sampled locations; None for a batch that sampled none, which leaves b as it is.
+
+        Under DDP the mean is over every process's captions: each one's sum and count are all-reduced, so every
+        process holds the same b (DDP's broadcast of rank 0's buffers would otherwise drop the others' batches). So
+        every process calls this at every hard-attention training step, with None where it sampled nothing.
+        """
+        b = self.reward_baseline
+        stats = torch.zeros(2, device=b.device)  # sum of log p(y|s,a), number of captions
+        if log_likelihood is not None:
+            stats[0], stats[1] = log_likelihood.sum(), log_likelihood.numel()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        total, count = stats
+        b.copy_(torch.where(count > 0, 0.9 * b + 0.1 * total / count.clamp_min(1), b))  # no host sync
 
     @torch.no_grad()
     def generate(
