@@ -288,7 +288,9 @@ def serve(argv: list[str]) -> None:
         default=30,
         help="seconds a connection may wait for a request's head or body, or stay idle, before it is closed (30)",
     )
-    parser.add_argument("--max-connections", type=int, default=64, help="over this many, new requests get a 503 (64)")
+    parser.add_argument(
+        "--max-connections", type=int, default=256, help="a connection opened over this many gets a 503 (256)"
+    )
     args = parser.parse_args(argv)
     limits = (args.max_upload_mb, args.max_batch, args.max_pixels, args.timeout, args.max_connections)
     if min(limits) <= 0:

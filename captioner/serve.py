@@ -28,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from PIL import Image
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from captioner.api import Captioner, CaptionResult
@@ -88,6 +89,8 @@ class BoundedBodies:
         except BodyRefused:
             if not started:
                 await refuse(send, *refusal)
+        except ClientDisconnect:  # the client left mid-body: there is no one to answer
+            pass
 
 
 async def refuse(send, status: int, message: str) -> None:
@@ -98,16 +101,22 @@ async def refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class TimedProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a connection that has not sent a whole
-    request head `timeout_head` seconds after it opened, or after its last response, is closed. uvicorn's keep-alive
-    timer alone is cancelled by the first byte, so a client that sends half a head would hold its connection forever.
+class BoundedProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head and a cap on open connections.
+
+    A connection that has not sent a whole request head `timeout` seconds after it opened, or after its last response,
+    is closed: uvicorn's keep-alive timer alone is cancelled by the first byte, so a client that sent half a head
+    would hold its connection forever. A connection opened while `max_connections` others are open gets a 503 for
+    its request. (uvicorn's own `limit_concurrency` answers in plain text; every error here is one line of JSON.)
     """
 
-    timeout_head = 30.0
+    timeout = 30.0
+    max_connections = 256
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self.app = self._busy
         self._arm_head_timer()
 
     def on_response_complete(self) -> None:
@@ -121,7 +130,10 @@ class TimedProtocol(H11Protocol):
             if self.cycle is cycle and not self.transport.is_closing():
                 self.transport.close()
 
-        self.loop.call_later(self.timeout_head, expire)
+        self.loop.call_later(self.timeout, expire)
+
+    async def _busy(self, scope, receive, send) -> None:
+        await refuse(send, 503, f"the server is busy: {self.max_connections} connections are open; try again later")
 
 
 class Batcher:
@@ -285,13 +297,6 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")
     print(f"captioner serve: {checkpoint} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
-    # Idle keep-alive connections close after `timeout` s too; over `max_connections`, new requests get a 503.
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        http=type("TimedProtocol", (TimedProtocol,), {"timeout_head": timeout}),
-        timeout_keep_alive=int(timeout),
-        limit_concurrency=max_connections,
-    )
+    # Idle keep-alive connections close after `timeout` s too.
+    protocol = type("BoundedProtocol", (BoundedProtocol,), {"timeout": timeout, "max_connections": max_connections})
+    uvicorn.run(app, host=host, port=port, log_level="info", http=protocol, timeout_keep_alive=int(timeout))
