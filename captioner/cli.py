@@ -225,7 +225,7 @@ def evaluate(argv: list[str]) -> None:
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
-        if batch is None:
+        if not batch:  # no readable image in the batch (each was reported)
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
         generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)

@@ -31,9 +31,14 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def distributed() -> bool:
+    """Whether this process is one of several (DDP)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def gather(records: list) -> list:
     """Every rank's `records`, concatenated in rank order (under DDP; otherwise `records` itself)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed():
         return records
     everyone: list[list | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, records)
@@ -125,16 +130,19 @@ class CaptioningModule(L.LightningModule):
         self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
         return loss.loss
 
-    def training_step(self, batch: dict | None, batch_idx: int) -> torch.Tensor:
-        if batch is None:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        if not batch:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
             return self._skipped_step()
         return self._shared_step(batch, "train")
 
-    def _skipped_step(self) -> torch.Tensor:
-        """The loss of a batch with no readable image: zero, over every trainable parameter. Under DDP the other
-        processes train on their batches, and every process must take part in the same gradient all-reduce (and in
-        hard attention's baseline update); returning None would stop a DDP run. The gradient is zero, so this
-        process adds nothing to the average, though Adam's step still moves the weights by its momentum."""
+    def _skipped_step(self) -> torch.Tensor | None:
+        """The step of a batch with no readable image. In one process, None: Lightning skips the backward pass and
+        the optimizer step. Under DDP, where Lightning refuses None, the other processes train on their batches and
+        every process must take part in the same gradient all-reduce (and in hard attention's baseline update): the
+        loss is zero over every trainable weight, so this process's gradient is zero and counts as such in the
+        average. Adam's step then still moves the weights a little, by its momentum."""
+        if not distributed():
+            return None
         if self.model.attention_mode == "hard" and self.model.training:
             self.model.update_baseline(None)
         trainable = [p for p in self.parameters() if p.requires_grad]
@@ -143,7 +151,7 @@ class CaptioningModule(L.LightningModule):
     def _decode_step(self, batch: dict, stage: str) -> None:
         """Loss on the first reference, then one greedy decode per image, scored at the epoch's end against all its
         references."""
-        if batch is None:
+        if not batch:  # no readable image in the batch (each was reported)
             return
         self._shared_step(batch, stage)
         generation = self.model.generate(
@@ -201,8 +209,8 @@ class CaptioningModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._decode_epoch_end("test")
 
-    def predict_step(self, batch: dict | None, batch_idx: int) -> list[dict]:
-        if batch is None:  # no readable image in the batch (each was reported)
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        if not batch:  # no readable image in the batch (each was reported)
             return []
         generation = self.model.generate(
             images=batch.get("images"),

@@ -63,10 +63,12 @@ class BoundedBodies:
         declared = headers.get(b"content-length", b"").decode("latin-1")
         if declared.isdigit() and int(declared) > self.limit:
             return await refuse(send, 413, f"the upload is {int(declared) / 2**20:.1f} MB, {self.over}")
-        received, refusal, started = 0, None, False
+        received, refusal, started, complete = 0, None, False, False
 
         async def bounded_receive() -> dict:
-            nonlocal received, refusal
+            nonlocal received, refusal, complete
+            if complete:  # after the body, a wait for the client's disconnect: no deadline
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except TimeoutError:
@@ -76,6 +78,7 @@ class BoundedBodies:
             if received > self.limit:
                 refusal = (413, f"the upload is {self.over}")
                 raise BodyRefused
+            complete = not message.get("more_body", False)
             return message
 
         async def guarded_send(message: dict) -> None:

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from captioner import Captioner
-from captioner.data.shapes import COLORS, SHAPES, ShapesDataset, attention_correctness
+from captioner.data.shapes import COLORS, SHAPES, ShapesDataset, attention_ceiling, attention_correctness
 from captioner.data.vocab import tokenize
 from captioner.metrics import bleu
 
@@ -27,12 +27,14 @@ def held_out(model) -> dict[str, float]:
     test = ShapesDataset("test", 500, seed=0)
     results = model.caption([test.load_image(i) for i in range(len(test))], beam_size=3)
     references = [[tokenize(c) for c in test.captions(i)] for i in range(len(test))]
-    masses = []
+    masses, ceilings = [], []
     for i, r in enumerate(results):
         masses += attention_correctness(r.tokens, r.alphas, r.grid_hw, test.objects(i), r.image.size)[0]
+        ceilings += attention_ceiling(r.tokens, r.grid_hw, test.objects(i), r.image.size)
     assert len(masses) > 2000  # most object words are named right, so they count
     figures = {
         "attention": sum(masses) / len(masses),
+        "ceiling": sum(ceilings) / len(ceilings),  # the same words, attended as well as a 14x14 grid can
         "bleu4": bleu([r.tokens for r in results], references),
         "exact": sum(r.tokens in refs for r, refs in zip(results, references, strict=True)) / len(results),
     }
@@ -55,6 +57,7 @@ def plain(model) -> float:
 
 def test_on_its_test_split_its_attention_lands_on_the_object_it_names(held_out):
     assert held_out["attention"] >= 0.75  # 0.754; the uniform-attention baseline is 0.070
+    assert held_out["attention"] < held_out["ceiling"] < 1  # the ceiling of these words
 
 
 def test_on_its_test_split_it_says_what_is_there(held_out):

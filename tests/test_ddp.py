@@ -1,5 +1,6 @@
 """Lightning DDP on the CPU (gloo, two processes), as a user with two GPUs runs it: corpus metrics over the whole
-split, and predictions written once per image."""
+split, predictions written once per image, and batches in which no image can be read skipped by one process while
+the other trains on."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ import sys
 import torch
 
 from captioner.cli import run_lightning_cli
+from captioner.data.shapes import ShapesDataset
 from tests.conftest import REPO, tiny_fit_args
 
 DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp"]
-ODD = ["--data.init_args.val_size=15", "--data.init_args.test_size=15"]  # the DistributedSampler pads to 16
-LEARN = ["--trainer.max_epochs=8", "--model.decoder_lr=0.01"]  # enough for a val BLEU-4 of about 0.2
+# Batches of 2 images read from PNG files (some broken, below); the DistributedSampler pads val and test's 15 to 16.
+DATA = [
+    "--data.init_args.val_size=15",
+    "--data.init_args.test_size=15",
+    "--data.init_args.batch_size=2",
+    "--data.init_args.cache_images=true",
+    "--trainer.limit_val_batches=1.0",  # every batch (debug.yaml validates 2)
+]
+LEARN = ["--trainer.max_epochs=8", "--trainer.limit_train_batches=16", "--model.decoder_lr=0.01"]  # val BLEU-4 ~0.2
+CAPTIONS_PER_IMAGE = 5  # shapes; debug.yaml trains on every (image, caption) pair
 
 
 def captioner(*args: str) -> subprocess.CompletedProcess:
@@ -27,21 +37,47 @@ def captioner(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_ddp_logs_the_corpus_bleu_of_the_whole_split_and_predicts_each_image_once(tmp_path):
-    captioner("fit", *tiny_fit_args(tmp_path, *ODD, *LEARN), *DDP)
+def break_images(data_dir, split: str, size: int, indices: set[int]) -> None:
+    """Write a broken PNG where the shapes set keeps image `index` of `split` (cache_images): it cannot be read."""
+    identity = ShapesDataset(split, size).identity
+    for index in indices:
+        path = data_dir / "images" / f"{identity}-{index:06d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+
+
+def first_batches(items: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+    """The items of each rank's first training batch at epoch 0: Lightning's DistributedSampler shuffles with
+    randperm seeded by seed + epoch (the seed_everything seed), and rank r takes every second item from r."""
+    order = torch.randperm(items, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[rank::2][:batch_size] for rank in range(2)]
+
+
+def test_ddp_scores_the_whole_split_predicts_each_image_once_and_skips_a_rank_s_unreadable_batch(tmp_path):
+    data = tmp_path / "data"
+    # Rank 1's first training batch, and its first validation and test batches (images 1 and 3), are all broken files,
+    # while rank 0's first batches are whole: one process skips its batch as the other trains and scores on.
+    rank0, rank1 = ({i // CAPTIONS_PER_IMAGE for i in items} for items in first_batches(64 * CAPTIONS_PER_IMAGE, 2))
+    assert rank0.isdisjoint(rank1)
+    break_images(data, "train", 64, rank1)
+    break_images(data, "val", 15, {1, 3})
+    break_images(data, "test", 15, {1, 3})
+
+    captioner("fit", *tiny_fit_args(tmp_path, *DATA, *LEARN), *DDP)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    epoch = torch.load(last, map_location="cpu", weights_only=True)["epoch"]
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["epoch"] == 7 and state["global_step"] == 8 * 16  # every step of every epoch, on both ranks
     rows = list(csv.DictReader(next((tmp_path / "logs").rglob("metrics.csv")).open()))
-    logged = [float(row["val/bleu4"]) for row in rows if row.get("val/bleu4") and int(row["epoch"]) == epoch]
+    logged = [float(row["val/bleu4"]) for row in rows if row.get("val/bleu4") and int(row["epoch"]) == 7]
     assert len(logged) == 1
 
-    # the same checkpoint, validated in one process over the whole split
-    single = run_lightning_cli(["validate", *tiny_fit_args(tmp_path, *ODD), f"--ckpt_path={last}"])
+    # the same checkpoint, validated in one process over the whole split (the same two images unreadable)
+    single = run_lightning_cli(["validate", *tiny_fit_args(tmp_path, *DATA), f"--ckpt_path={last}"])
     expected = float(single.trainer.callback_metrics["val/bleu4"])
     assert expected > 0.05  # a BLEU that half the split would change (0.0 would match whatever was scored)
     assert abs(logged[0] - expected) <= 1e-6, (logged, expected)
 
     output = tmp_path / "predictions.jsonl"
-    captioner("predict", *tiny_fit_args(tmp_path, *ODD), *DDP, f"--ckpt_path={last}", f"--predictions.output={output}")
+    captioner("predict", *tiny_fit_args(tmp_path, *DATA), *DDP, f"--ckpt_path={last}", f"--predictions.output={output}")
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["index"] for r in records] == list(range(15))  # each image once, though one rank decoded 8 images
+    assert [r["index"] for r in records] == [i for i in range(15) if i not in (1, 3)]  # each readable image once

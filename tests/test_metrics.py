@@ -1,11 +1,34 @@
+"""The corpus metrics against scores computed by hand."""
+
+import math
+
 import pytest
 
-from captioner.metrics import bleu
+from captioner.metrics import bleu, cider
 
 
-def test_bleu_exact_match_and_nltk_agreement():
-    refs = [[["a", "red", "circle", "on", "the", "left"], ["one", "shape", "a", "red", "circle"]]]
-    assert bleu([["a", "red", "circle", "on", "the", "left"]], refs) == pytest.approx(1.0)
-    assert bleu([["a", "blue", "square", "on", "the", "left"]], refs) < 0.6
+def test_bleu_is_the_geometric_mean_of_clipped_precisions_times_the_brevity_penalty_by_hand():
+    """Hypothesis "a red circle left of a square" (7 words) against "a red circle left of a blue square" (8): every
+    unigram matches (7/7), 5 of 6 bigrams, 4 of 5 trigrams and 3 of 4 four-grams; the brevity penalty is
+    exp(1 - 8/7). So BLEU-4 = exp(-1/7) (1 * 5/6 * 4/5 * 3/4)^(1/4) = exp(-1/7) 0.5^(1/4)."""
+    hypothesis = "a red circle left of a square".split()
+    reference = "a red circle left of a blue square".split()
+    assert bleu([hypothesis], [[reference]]) == pytest.approx(math.exp(-1 / 7) * 0.5**0.25, rel=1e-9)
+    assert bleu([reference], [[reference]]) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         bleu([["a"]], [])
+
+
+def test_cider_d_of_a_two_image_corpus_by_hand():
+    """References "a red circle" (image 1) and "a blue square" (image 2). Document frequencies come from the
+    references: "a" is in both images, so its idf log(2/2) is 0; every other n-gram's is log(2/1) = l.
+
+    Image 1, "a red circle": its tf-idf vectors equal the reference's, cosine 1 for n = 1, 2, 3 and no 4-gram:
+    10 * (1 + 1 + 1 + 0) / 4 = 7.5.
+    Image 2, "a blue circle" against "a blue square": unigrams (0, l, l) . (0, l, 0) / (sqrt(2) l)^2 = 1/2, bigrams
+    "a blue" of two each, 1/2, trigrams 0: 10 * (1/2 + 1/2) / 4 = 2.5. Equal lengths, so no length penalty.
+    The corpus score is their mean, 5.0."""
+    hypotheses = [["a", "red", "circle"], ["a", "blue", "circle"]]
+    references = [[["a", "red", "circle"]], [["a", "blue", "square"]]]
+    assert cider(hypotheses, references) == pytest.approx(5.0, rel=1e-9)
+    assert cider([], []) == 0.0

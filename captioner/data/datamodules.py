@@ -97,11 +97,16 @@ class CaptionDataset(Dataset):
         }
 
 
-def collate(items: list[dict | None]) -> dict | None:
-    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out."""
+def collate(items: list[dict | None]) -> dict:
+    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out.
+
+    A batch with no readable image is an empty dict, which every step skips. Not None: Lightning would skip a None
+    training batch before `training_step`, and under DDP a process that skips a step leaves the others waiting for it
+    in the gradient all-reduce, for ever.
+    """
     items = [item for item in items if item is not None]
     if not items:
-        return None
+        return {}
     captions = [item["caption"] for item in items]
     return {
         items[0]["key"]: torch.stack([item["input"] for item in items]),

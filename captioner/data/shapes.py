@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from captioner.data.images import load_image
 from captioner.errors import ConfigError
 
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -243,7 +244,8 @@ class ShapesDataset:
         size: number of images.
         seed: the dataset seed; splits use disjoint random streams.
         image_size: side of the square images in pixels.
-        image_dir: if set, each image is written there as PNG the first time it is drawn, and read back later.
+        image_dir: if set, each image is written there as PNG the first time it is drawn, and read back later (a file
+            there that cannot be read is skipped, as in any dataset of files).
     """
 
     def __init__(self, split: str, size: int, seed: int = 0, image_size: int = 224, image_dir: str | None = None):
@@ -271,7 +273,7 @@ class ShapesDataset:
     def load_image(self, index: int) -> Image.Image:
         path = self.image_dir / f"{self.identity}-{index:06d}.png" if self.image_dir else None
         if path is not None and path.exists():
-            return Image.open(path).convert("RGB")
+            return load_image(path)  # a damaged file raises ImageError naming it, as any dataset's would
         rng = _rng(self.seed, self.split, index)
         objects = sample_scene(rng, self.image_size)
         image = render(objects, rng, self.image_size)

@@ -6,6 +6,7 @@ import pytest
 from captioner.cli import main
 from captioner.data.coco import clean, read_coco, read_custom, read_karpathy
 from captioner.data.datamodules import CocoDataModule
+from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError
 from tests.conftest import REPO
 from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
@@ -84,17 +85,36 @@ def test_fast_dev_run_on_each_format(tmp_path, fmt, monkeypatch):
     monkeypatch.chdir(tmp_path)
     {"coco": write_coco, "karpathy": write_karpathy, "custom": write_custom}[fmt](tmp_path)
     config = "configs/custom.yaml" if fmt == "custom" else "configs/coco_lite0.yaml"
-    extra = [
-        f"--data.init_args.format={fmt}",
-        "--data.init_args.val_fraction=0.3",
-        "--data.init_args.test_fraction=0.2",
-    ]
-    main(fit_args(tmp_path, config, *extra))
+    fractions = {"val_fraction": 0.3, "test_fraction": 0.2}
+    data = CocoDataModule(str(tmp_path), format=fmt, **fractions)
+    if fmt == "custom":  # a word that only a held-out image's caption has (coco and karpathy have "launch")
+        held_out = next(
+            r
+            for r in read_custom(tmp_path / "captions.jsonl", tmp_path / "images")
+            if data._custom_split(str(r.image_id)) != "train"
+        )
+        with (tmp_path / "captions.jsonl").open("a") as file:
+            file.write(json.dumps({"image": str(held_out.image_id), "caption": "a zeppelin"}) + "\n")
+    words_of = {
+        split: {w for i in range(len(data.split(split))) for c in data.split(split).captions(i) for w in tokenize(c)}
+        for split in ("train", "val", "test")
+    }
+    held_out_only = (words_of["val"] | words_of["test"]) - words_of["train"]
+    assert held_out_only >= ({"zeppelin"} if fmt == "custom" else {"launch"})  # words the vocabulary must not have
+
+    main(
+        fit_args(
+            tmp_path,
+            config,
+            f"--data.init_args.format={fmt}",
+            *(f"--data.init_args.{k}={v}" for k, v in fractions.items()),
+        )
+    )
     vocab_files = list(tmp_path.glob("vocab-*.json"))
-    assert len(vocab_files) == 1  # saved beside the data, built from the training split only
+    assert len(vocab_files) == 1  # saved beside the data
     words = json.loads(vocab_files[0].read_text())["itos"]
-    train_only = "launch" if fmt != "custom" else None  # rocket.jpg is only in val/test for coco and karpathy
-    assert train_only is None or train_only not in words
+    assert words[:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+    assert set(words[4:]) == words_of["train"]  # built from the training split only (min_word_count 1)
 
 
 def test_unknown_format_and_missing_files_are_config_errors(tmp_path):

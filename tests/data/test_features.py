@@ -18,6 +18,7 @@ import torch
 from captioner.data import features
 from captioner.data.datamodules import ShapesDataModule
 from captioner.data.features import FeatureCache, reserve
+from captioner.errors import CaptionerError
 from captioner.models.encoder import Encoder
 from tests.conftest import tiny_fit_args
 
@@ -58,6 +59,13 @@ def meta_not_a_dict(cache: FeatureCache) -> None:
     (cache.dir / "meta.json").write_text("[1, 2]")
 
 
+def infinite(cache: FeatureCache) -> None:
+    """What an older build wrote for annotations beyond float16's range: inf, which numpy only warns about."""
+    array = np.array(cache.load())
+    array[-1, 0, 0] = np.inf
+    np.save(cache.path, array)
+
+
 @pytest.mark.parametrize(
     ("damage", "pattern"),
     [
@@ -65,6 +73,7 @@ def meta_not_a_dict(cache: FeatureCache) -> None:
         (wrong_shape, r"damaged \(annotations\.npy is float16 of shape \(3, 2, 5\), not float16 \(4, 49, 1280\)\)"),
         (corrupt_meta, r"damaged \(meta\.json: Expecting value: .*\)"),  # json's
         (meta_not_a_dict, r'damaged \(meta\.json: not an object whose "bad" is a list of image indices\)'),
+        (infinite, r"damaged \(annotations\.npy holds non-finite values\)"),
     ],
 )
 def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, caplog, damage, pattern):
@@ -82,6 +91,60 @@ def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, 
     assert cache.problem() is None
     assert json.loads((cache.dir / "meta.json").read_text())["bad"] == []
     assert torch.equal(annotations(again), expected)  # the same as the first build's
+
+
+class Scaled:
+    """Patches Encoder.forward to multiply the annotations by `factor` from the `after`-th call on: Lite0's
+    annotations (at most 6) become as large as an untrained ResNet's."""
+
+    def __init__(self, monkeypatch, factor: float, after: int = 0):
+        self.calls, self.factor, self.after = 0, factor, after
+        forward = Encoder.forward
+
+        def scaled(encoder, images):
+            self.calls += 1
+            return forward(encoder, images) * (self.factor if self.calls > self.after else 1.0)
+
+        monkeypatch.setattr(Encoder, "forward", scaled)
+
+
+@pytest.mark.parametrize("after", [0, 1])
+def test_annotations_beyond_float16_are_cached_as_float32_with_one_warning(
+    tmp_path, encoder, caplog, monkeypatch, after
+):
+    """From the first batch on, or from the second (the rows written as float16 are then copied over)."""
+    source = ShapesDataModule(str(tmp_path), train_size=4, val_size=4, test_size=4).split("val")
+    transform = encoder.preprocessing.transforms()
+    with torch.inference_mode():
+        plain = encoder(torch.stack([transform(source.load_image(i)) for i in range(4)]))  # (4,P,E)
+    Scaled(monkeypatch, 2e4, after)
+    cache = FeatureCache(tmp_path / "features", encoder, source)
+    with caplog.at_level(logging.WARNING, logger="captioner.data.features"):
+        cache.ensure(batch_size=2)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        rf"{re.escape(str(cache.dir))}: efficientnet_lite0 annotations reach 1\.\d+e\+05, beyond float16's "
+        r"range: the cache is float32 \(twice the disk space\)",
+        warning,
+    ), warning
+    assert cache.problem() is None and cache.load().dtype == np.float32 and cache.dtype() == np.float32
+    assert json.loads(cache.meta.read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in cache.dir.iterdir()) == ["annotations.npy", "meta.json"]  # no temporary file left
+    cached = torch.from_numpy(np.array(cache.load()))
+    scaled = slice(2 * after, 4)  # the cache's encoder has its BatchNorms folded: float rounding apart
+    assert (cached[scaled] - plain[scaled] * 2e4).abs().max() < 1e-4 * (plain[scaled] * 2e4).abs().max()
+    if after:  # the first batch went in as float16, then was copied into the float32 array
+        assert torch.allclose(cached[:2], plain[:2], atol=1e-2) and cached[:2].abs().max() > 1
+
+
+def test_an_encoder_that_gives_non_finite_annotations_is_a_one_line_error(tmp_path, encoder, monkeypatch):
+    source = ShapesDataModule(str(tmp_path), train_size=4, val_size=4, test_size=4).split("val")
+    Scaled(monkeypatch, float("nan"), after=1)
+    cache = FeatureCache(tmp_path / "features", encoder, source)
+    message = r"efficientnet_lite0: the encoder gives non-finite annotations for images 2-3 of shapes-v\d-val-\S+; "
+    with pytest.raises(CaptionerError, match=message + r"check its weights \(pretrained, fine-tuned\)$"):
+        cache.ensure(batch_size=2)
+    assert cache.problem() == "missing" and list(cache.dir.iterdir()) == []
 
 
 def test_a_missing_cache_is_built_without_a_warning(tmp_path, encoder, caplog):

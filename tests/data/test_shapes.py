@@ -12,8 +12,10 @@ from captioner.data.shapes import (
     ShapeObject,
     ShapesDataset,
     _shade,
+    attention_ceiling,
     attention_correctness,
     link_words_to_objects,
+    oracle_attention,
 )
 from captioner.data.vocab import tokenize
 
@@ -130,11 +132,52 @@ def test_words_link_to_the_unique_matching_object():
     assert link_words_to_objects("a red circle".split(), OBJECTS) == [-1, 0, 0]  # size may be left out
 
 
+def pil_bicubic_weights(in_size: int, out_size: int) -> np.ndarray:
+    """(out, in): how PIL's bicubic resize weighs each input pixel for each output pixel, written out from its
+    resampling code (Keys' kernel with a = -0.5, support 2 when enlarging, weights normalised within the image)."""
+
+    def kernel(x: float, a: float = -0.5) -> float:
+        x = abs(x)
+        if x < 1:
+            return ((a + 2) * x - (a + 3)) * x * x + 1
+        return (((x - 5) * x + 8) * x - 4) * a if x < 2 else 0.0
+
+    scale = in_size / out_size
+    weights = np.zeros((out_size, in_size))
+    for out in range(out_size):
+        center = (out + 0.5) * scale
+        low, high = max(int(center - 2 + 0.5), 0), min(int(center + 2 + 0.5), in_size)
+        row = np.array([kernel(x - center + 0.5) for x in range(low, high)])
+        weights[out, low:high] = row / row.sum()
+    return weights
+
+
 def test_attention_correctness_mass_in_box_and_baseline():
     grid = (2, 2)  # on a 200x200 image each cell is 100x100
     words = ["a", "large", "blue", "square"]
     alphas = torch.tensor([[0.25] * 4, [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [0.25] * 4])
     masses, baselines = attention_correctness(words, alphas, grid, OBJECTS, (200, 200))
     assert len(masses) == 3 and baselines == [0.25] * 3
-    assert masses[0] > 0.6 and masses[1] > 0.6  # attention on the bottom-right cell, the square's box
+    # All attention on the bottom-right cell, the square's box: upsampled by bicubic, whose kernel reaches into the
+    # neighbouring cells, the share inside the box is below 1 (0.797). Negative lobes are clipped to 0.
+    profile = pil_bicubic_weights(2, 200)[:, 1]  # (200,) how much of cell 1 each row (and column) gets
+    heat = np.clip(np.outer(profile, profile), 0, None)
+    expected = heat[100:, 100:].sum() / heat.sum()
+    assert masses[0] == masses[1] == pytest.approx(expected, abs=1e-4)
+    assert 0.79 < expected < 0.80
     assert masses[2] == pytest.approx(0.25, abs=0.02)  # uniform attention scores the baseline
+
+
+def test_the_ceiling_is_the_score_of_attention_spread_over_the_cells_inside_the_box():
+    grid = (2, 2)
+    # the square's box (100..200) holds the centre of cell 3 alone; the small circle's (0..50) no centre at all, so
+    # the cell holding its centre stands in
+    assert oracle_attention(OBJECTS[1].box, grid, (200, 200)).tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert oracle_attention(OBJECTS[0].box, grid, (200, 200)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert oracle_attention((0, 0, 200, 100), (2, 2), (200, 200)).tolist() == [0.5, 0.5, 0.0, 0.0]
+    words = "a small red circle and a large blue square".split()
+    on_square = [0.0, 0.0, 0.0, 1.0]
+    one_hot, _ = attention_correctness(words[-3:], torch.tensor([on_square] * 3), grid, OBJECTS, (200, 200))
+    ceilings = attention_ceiling(words, grid, OBJECTS, (200, 200))
+    assert len(ceilings) == 6 and ceilings[3:] == pytest.approx(one_hot)
+    assert 0 < ceilings[0] < ceilings[3] < 1  # a box smaller than a cell cannot hold its cell's upsampled weight

@@ -90,18 +90,18 @@ def set_weights(layer: nn.Linear, weight, bias) -> None:
 )
 def test_the_gated_context_is_beta_times_the_attention_average_by_hand(gate, beta):
     """z_t = beta_t * sum_i alpha_ti a_i, beta_t = sigmoid(f_beta(h_{t-1})) (§4.2.1), with dot scoring (E = D = 2)
-    so that e_i = h . a_i: a_1 = (ln 3, 0), a_2 = 0 and h = (1, 0) give e = (ln 3, 0), alpha = (3/4, 1/4) and the
-    average (3/4 ln 3, 0). f_beta's weights are zero, so beta = sigmoid(its bias): 1/2 for the scalar gate, and
-    (1/2, sigmoid(2)) per channel."""
+    so that e_i = h . a_i: a_1 = (ln 3, 2), a_2 = (0, 2) and h = (1, 0) give e = (ln 3, 0), alpha = (3/4, 1/4) and
+    the average (3/4 ln 3, 2). f_beta's weights are zero, so beta = sigmoid(its bias): 1/2 for the scalar gate on both
+    channels, and (1/2, sigmoid(2)) per channel: the second channel tells the two gates apart."""
     decoder = AttentionDecoder(V, 2, 2, embed_dim=2, decoder_dim=2, attention="dot", gate=gate)
     if decoder.f_beta is not None:
         width = decoder.f_beta.out_features
         set_weights(decoder.f_beta, [[0.0, 0.0]] * width, [0.0, 2.0][:width])
-    a = torch.tensor([[[math.log(3), 0.0], [0.0, 0.0]]])  # (1,2,2)
+    a = torch.tensor([[[math.log(3), 2.0], [0.0, 2.0]]])  # (1,2,2)
     h = torch.tensor([[1.0, 0.0]])
     context, alpha = decoder.attend(h, a, decoder.prepare(a))
     assert torch.allclose(alpha, torch.tensor([[0.75, 0.25]]))
-    expected = torch.tensor([[0.75 * math.log(3) * beta[0], 0.0]])
+    expected = torch.tensor([[0.75 * math.log(3) * beta[0], 2.0 * beta[1]]])
     assert torch.allclose(context, expected, atol=1e-6)
 
 

@@ -110,6 +110,60 @@ def test_hard_training_samples_half_of_the_batches_and_moves_the_baseline():
     assert "reward_baseline" in hard.state_dict() and "reward_baseline" not in model("soft").state_dict()
 
 
+def test_the_baseline_is_the_papers_moving_average_of_sampled_log_likelihoods():
+    """b <- 0.9 b + 0.1 mean log p(y|s,a) after each sampled batch (§4.1); an expected-context batch leaves it."""
+    torch.manual_seed(0)
+    hard = model("hard", expected_context_p=0.0).train()
+    a = torch.randn(3, hard.encoder.num_pixels, hard.encoder.out_dim)
+    tokens, lengths = captions()
+    expected = 0.0
+    for step in range(3):
+        torch.manual_seed(step)  # the forward's draws, made here first: its coin (sample or not), then the locations
+        torch.rand(())
+        logits, _, _ = hard.decoder(a, tokens, lengths, sample=True)
+        targets = tokens[:, 1 : 1 + logits.size(1)]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=0, reduction="sum")
+        log_likelihood = -nll / 3  # the mean over the 3 captions of their summed log-probabilities
+        expected = 0.9 * expected + 0.1 * log_likelihood.item()
+        torch.manual_seed(step)
+        hard(tokens, lengths, annotations=a)
+        assert hard.reward_baseline.item() == pytest.approx(expected, rel=1e-5)
+    hard.expected_context_p = 1.0
+    hard(tokens, lengths, annotations=a)
+    assert hard.reward_baseline.item() == pytest.approx(expected, rel=1e-5)
+
+
+def _update_baselines_on_two_ranks(rank: int, port: int, folder: str) -> None:
+    """One DDP process: rank 0 sampled 2 captions, rank 1 sampled 3 then nothing (an expected-context batch)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    hard = model("hard")
+    batches = [[torch.tensor([-1.0, -2.0]), torch.tensor([-4.0, -6.0])], [torch.tensor([-3.0, -4.0, -5.0]), None]]
+    for log_likelihood in batches[rank]:
+        hard.update_baseline(log_likelihood)
+    torch.save(hard.reward_baseline, f"{folder}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_under_ddp_every_rank_ends_with_the_baseline_of_one_process_on_all_the_data(tmp_path):
+    """DDP broadcasts rank 0's buffers: b must be averaged over every rank's captions, or the others' are lost."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_update_baselines_on_two_ranks, args=(port, str(tmp_path)), nprocs=2)
+    single = model("hard")
+    single.update_baseline(torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0]))  # both ranks' first batch: mean -3
+    single.update_baseline(torch.tensor([-4.0, -6.0]))  # rank 0's second batch alone: mean -5
+    ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert ranks[0].item() == ranks[1].item() == pytest.approx(single.reward_baseline.item())
+    assert single.reward_baseline.item() == pytest.approx(0.9 * (0.1 * -3.0) + 0.1 * -5.0)
+
+
 def test_hard_evaluation_is_the_expected_context():
     """At test time (eval mode) a hard model decodes with the expected context: it is the soft model's forward."""
     torch.manual_seed(0)

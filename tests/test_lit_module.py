@@ -1,0 +1,57 @@
+"""CaptioningModule's steps without a Trainer: a non-finite loss stops training, and a batch with no readable image
+is a zero loss that still reaches every trainable weight (so DDP's gradient all-reduce runs in every process)."""
+
+import pytest
+import torch
+
+from captioner.data.datamodules import collate
+from captioner import lit_module
+from captioner.errors import CaptionerError
+from captioner.lit_module import CaptioningModule
+
+VOCAB = ["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"]
+
+
+def module(**options) -> CaptioningModule:
+    sizes = {"embed_dim": 8, "decoder_dim": 8, "attention_dim": 8, "pretrained": False, "image_size": 64}
+    return CaptioningModule(VOCAB, **(sizes | options))
+
+
+def batch(module: CaptioningModule, value: float = 1.0) -> dict:
+    P, E = module.model.encoder.num_pixels, module.model.encoder.out_dim
+    captions = torch.tensor([[1, 4, 5, 6, 2], [1, 6, 2, 0, 0]])
+    return {"annotations": torch.full((2, P, E), value), "captions": captions, "lengths": torch.tensor([5, 3])}
+
+
+def test_a_non_finite_loss_stops_with_one_line_naming_the_likely_causes():
+    model = module()
+    model.training_step(batch(model), 0)  # finite: no error
+    with pytest.raises(CaptionerError) as error:
+        model.training_step(batch(model, float("inf")), 0)
+    message = str(error.value)
+    assert message.startswith("train/loss is nan at epoch 0, step 0: the model overflowed (") and "\n" not in message
+    assert "--model.decoder_lr" in message and "--trainer.precision" in message
+
+
+def test_a_batch_with_no_readable_image_is_skipped_by_one_process():
+    model = module()
+    empty = collate([None, None])
+    assert empty == {}  # not None: Lightning would skip it before training_step, in this process alone
+    assert model.training_step(empty, 0) is None  # no backward, no optimizer step
+    assert model.validation_step(empty, 0) is None and model.predict_step(empty, 0) == []
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_under_ddp_a_batch_with_no_readable_image_is_a_zero_loss_over_every_trainable_weight(mode, monkeypatch):
+    """What each process needs to stay in step with the others (the 2-process run: tests/test_ddp.py)."""
+    model = module(attention_mode=mode, fine_tune_blocks=1)
+    monkeypatch.setattr(lit_module, "distributed", lambda: True)
+    monkeypatch.setattr(model.model, "update_baseline", lambda log_likelihood: calls.append(log_likelihood))
+    calls = []
+    loss = model.training_step({}, 0)
+    assert loss.item() == 0.0
+    loss.backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert any(p in set(model.model.encoder.parameters()) for p in trainable)  # the fine-tuned stage too
+    assert all(p.grad is not None and not p.grad.any() for p in trainable)
+    assert calls == ([None] if mode == "hard" else [])  # hard attention's baseline all-reduce, with nothing sampled
