@@ -277,9 +277,8 @@ def main() -> None:
     tracebacks = lines.count("Traceback")
     print(table(rows))
     if rows[2]["p95 (ms)"] != "-":
-        print(
-            f"\np95 beside the hostile clients / quiet p95: {float(rows[2]['p95 (ms)']) / float(rows[0]['p95 (ms)']):.2f}x"
-        )
+        ratio = float(rows[2]["p95 (ms)"]) / float(rows[0]["p95 (ms)"])
+        print(f"\np95 beside the hostile clients / quiet p95: {ratio:.2f}x")
     print()
     print(table(hostile.summary()))
     print(f"\nthe most of one endless upload that the server took: {hostile.most_sent / 2**20:.1f} MB")

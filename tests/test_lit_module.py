@@ -4,8 +4,8 @@ is a zero loss that still reaches every trainable weight (so DDP's gradient all-
 import pytest
 import torch
 
-from captioner.data.datamodules import collate
 from captioner import lit_module
+from captioner.data.datamodules import collate
 from captioner.errors import CaptionerError
 from captioner.lit_module import CaptioningModule
 
