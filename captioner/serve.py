@@ -38,6 +38,7 @@ from captioner.data.shapes import ShapesDataset
 STATIC = Path(__file__).parent / "static"
 MAX_BEAM_SIZE = 10
 MULTIPART_SLACK = 2**16  # bytes of form fields and part headers allowed beside an image of the largest size
+MERGED = 2**20  # bytes of a request body handed on at a time
 
 
 class BodyRefused(Exception):
@@ -65,10 +66,8 @@ class BoundedBodies:
             return await refuse(send, 413, f"the upload is {int(declared) / 2**20:.1f} MB, {self.over}")
         received, refusal, started, complete = 0, None, False, False
 
-        async def bounded_receive() -> dict:
+        async def receive_part() -> dict:
             nonlocal received, refusal, complete
-            if complete:  # after the body, a wait for the client's disconnect: no deadline
-                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except TimeoutError:
@@ -78,8 +77,22 @@ class BoundedBodies:
             if received > self.limit:
                 refusal = (413, f"the upload is {self.over}")
                 raise BodyRefused
-            complete = not message.get("more_body", False)
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             return message
+
+        async def bounded_receive() -> dict:
+            if complete:  # after the body, a wait for the client's disconnect: no deadline
+                return await receive()
+            message = await receive_part()
+            # The parts of a body that have arrived, given as one, up to MERGED bytes: the form parser writes a spooled
+            # upload to disk through a thread once per part, and the server's part is 64 KiB at most.
+            parts = [message.get("body", b"")]
+            while not complete and sum(map(len, parts)) < MERGED:
+                message = await receive_part()
+                if message["type"] != "http.request":
+                    return message
+                parts.append(message.get("body", b""))
+            return {"type": "http.request", "body": b"".join(parts), "more_body": not complete}
 
         async def guarded_send(message: dict) -> None:
             nonlocal started

@@ -57,3 +57,22 @@ def test_loading_a_foreign_file_is_a_clear_error(tmp_path):
         Captioner.load(other)
     with pytest.raises(CaptionerError, match="checkpoint not found"):
         Captioner.load(tmp_path / "nope.ckpt")
+
+
+def test_an_export_killed_mid_write_leaves_the_previous_file_whole(tiny_model, tmp_path, monkeypatch):
+    from captioner.api import export
+
+    checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
+    output = export(checkpoint, tmp_path / "model.pt")
+    before = output.read_bytes()
+
+    def torn_save(state, file):  # half of a file, then the process dies
+        file.write(before[: len(before) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(KeyboardInterrupt):
+        export(checkpoint, output)
+    assert output.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    monkeypatch.undo()
+    assert Captioner.load(output).caption(photo("coffee"))[0].tokens

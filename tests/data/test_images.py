@@ -43,3 +43,16 @@ def test_find_images_recurses_into_folders_and_keeps_files(tmp_path):
     (tmp_path / "a" / "readme.txt").write_text("not an image")
     found, errors = find_images([tmp_path / "a", tmp_path / "other.jpg"])
     assert sorted(found[:-1]) == sorted(good) and found[-1] == tmp_path / "other.jpg" and errors == []
+
+
+def test_a_server_s_limits_refuse_big_images_from_the_header_and_decode_big_ones_reduced(tmp_path):
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (1500, 2000, 3), dtype=np.uint8))
+    photo.save(tmp_path / "big.jpg")
+    photo.save(tmp_path / "big.png")
+    with pytest.raises(ImageError, match=r"big\.png: 2000x1500 pixels is over the 2 Mpx limit$"):
+        load_image(tmp_path / "big.png", max_pixels=2_000_000)
+    assert load_image(tmp_path / "big.png", max_pixels=3_000_000).size == (2000, 1500)
+    # JPEG: decoded at 1/2 scale (1/4 would go below 448 pixels); PNG: decoded whole, then reduced by 3
+    assert load_image(tmp_path / "big.jpg", reduce_to=448).size == (1000, 750)
+    assert load_image(tmp_path / "big.png", reduce_to=448).size == (667, 500)
+    assert load_image(tmp_path / "big.png", reduce_to=1000).size == (2000, 1500)  # not twice 1000 on both sides
