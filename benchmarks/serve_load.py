@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import socket
 import statistics
 import subprocess
@@ -49,6 +50,12 @@ def memory_mib(pid: int, field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def disk_writes(pid: int) -> int:
@@ -122,7 +129,7 @@ class Hostile:
         self.host, port = url.removeprefix("http://").split(":")
         self.port = int(port)
         self.outcomes: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
-        self.most_sent = 0  # the most bytes of one endless upload that the server took before it answered or cut
+        self.most_sent = 0  # the most bytes of one endless upload sent (into the kernel's socket buffers too)
         self.lock = threading.Lock()
         buffer = io.BytesIO()
         Image.new("RGB", (BIG_SIDE, BIG_SIDE), (200, 40, 40)).save(buffer, format="PNG", optimize=True)
@@ -246,20 +253,25 @@ def main() -> None:
         load(url, images, 16, 4)  # warm-up
         memory = {"after warm-up": memory_mib(process.pid, "VmRSS")}
         rows = []
+        cpu = {}  # phase -> (seconds, CPU seconds of the server, CPU seconds of this process: the clients)
         for requests, clients in ((REQUESTS, CLIENTS), (50, 1)):
-            start = time.perf_counter()
+            start, used = time.perf_counter(), (cpu_seconds(process.pid), time.process_time())
             half = (lambda: memory.__setitem__("after 100", memory_mib(process.pid, "VmRSS"))) if clients > 1 else None
             latencies, failures = load(url, images, requests, clients, half)
-            rows.append(row(requests, clients, latencies, failures, time.perf_counter() - start, "quiet"))
+            seconds = time.perf_counter() - start
+            rows.append(row(requests, clients, latencies, failures, seconds, "quiet"))
             if clients > 1:
                 memory["after 200"] = memory_mib(process.pid, "VmRSS")
+                cpu["quiet"] = (seconds, cpu_seconds(process.pid) - used[0], time.process_time() - used[1])
 
         hostile = Hostile(url)
         written = disk_writes(process.pid)
-        start = time.perf_counter()
+        start, used = time.perf_counter(), (cpu_seconds(process.pid), time.process_time())
         threads = hostile.start()
         latencies, failures = load(url, images, REQUESTS, CLIENTS)
-        rows.append(row(REQUESTS, CLIENTS, latencies, failures, time.perf_counter() - start, "beside hostile clients"))
+        seconds = time.perf_counter() - start
+        rows.append(row(REQUESTS, CLIENTS, latencies, failures, seconds, "beside hostile clients"))
+        cpu["beside hostile clients"] = (seconds, cpu_seconds(process.pid) - used[0], time.process_time() - used[1])
         time.sleep(max(0.0, HOSTILE_SECONDS - (time.perf_counter() - start)))
         hostile.stop.set()
         for thread in threads:
@@ -281,8 +293,12 @@ def main() -> None:
         print(f"\np95 beside the hostile clients / quiet p95: {ratio:.2f}x")
     print()
     print(table(hostile.summary()))
-    print(f"\nthe most of one endless upload that the server took: {hostile.most_sent / 2**20:.1f} MB")
-    print(f"written to disk by the server while the hostile clients ran: {written / 2**20:.1f} MB")
+    endless = len(hostile.outcomes["endless chunked form"])
+    print(f"\nthe most of one endless upload sent before its answer or cut: {hostile.most_sent / 2**20:.1f} MB")
+    print(f"written to disk by the server while the hostile clients ran: {written / 2**20:.0f} MB, ", end="")
+    print(f"{written / 2**20 / max(endless, 1):.1f} MB per endless upload")
+    for phase, (seconds, server, clients) in cpu.items():
+        print(f"CPU, {phase}, 200 requests: server {server / seconds:.2f} cores, clients {clients / seconds:.2f} cores")
     print("server resident memory (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
     print(f"tracebacks in the server's log: {tracebacks}")
 
