@@ -55,3 +55,18 @@ def test_under_ddp_a_batch_with_no_readable_image_is_a_zero_loss_over_every_trai
     assert any(p in set(model.model.encoder.parameters()) for p in trainable)  # the fine-tuned stage too
     assert all(p.grad is not None and not p.grad.any() for p in trainable)
     assert calls == ([None] if mode == "hard" else [])  # hard attention's baseline all-reduce, with nothing sampled
+
+
+def test_the_split_s_attention_correctness_comes_with_its_uniform_baseline_and_its_ceiling():
+    model = module()
+    words = ["a", "red", "circle", "on", "the", "left"]
+    references = [words]
+    model._decoded = [
+        (0, words, references, [0.5], [0.1], [0.8]),
+        (1, words, references, [0.7, 0.9], [0.2, 0.3], [0.8, 0.9]),
+    ]
+    metrics = model._decode_epoch_end("test")
+    assert metrics["test/bleu4"] == pytest.approx(1.0)
+    assert metrics["test/attn_correctness"] == pytest.approx(0.7)  # per word, over the split
+    assert metrics["test/attn_uniform_baseline"] == pytest.approx(0.2)
+    assert metrics["test/attn_ceiling"] == pytest.approx(2.5 / 3)
