@@ -20,6 +20,7 @@ from captioner.data.images import ImageError
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.errors import ConfigError
+from captioner.files import build_lock
 from captioner.models.encoder import Encoder
 
 log = logging.getLogger(__name__)
@@ -174,17 +175,18 @@ class CaptionDataModule(L.LightningDataModule):
 
     @property
     def vocab(self) -> Vocabulary:
-        """Built from the training captions only, and saved beside the data."""
+        """Built from the training captions only, and saved beside the data. Two processes that need it at once
+        (two runs on one data_dir) take turns through its lock file: one builds it, the other reads it."""
         if self._vocab is None:
             train = self.split("train")
             path = self.data_dir / f"vocab-{train.identity}-min{self.min_word_count}-max{self.max_vocab_size}.json"
-            if path.exists():
-                self._vocab = Vocabulary.load(path)
-            else:
-                captions = (c for i in range(len(train)) for c in train.captions(i))
-                self._vocab = Vocabulary.build(captions, self.min_word_count, self.max_vocab_size)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._vocab.save(path)
+            with build_lock(path):
+                if path.exists():
+                    self._vocab = Vocabulary.load(path)
+                else:
+                    captions = (c for i in range(len(train)) for c in train.captions(i))
+                    self._vocab = Vocabulary.build(captions, self.min_word_count, self.max_vocab_size)
+                    self._vocab.save(path)
         return self._vocab
 
     @property
