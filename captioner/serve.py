@@ -280,7 +280,7 @@ def create_app(
             beam_size = int(beam)
             if not 1 <= beam_size <= MAX_BEAM_SIZE:
                 return error(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {beam_size}")
-            name = image.filename or "upload"
+            name = " ".join((image.filename or "upload").split())[:200]  # the client's words: one line, bounded
             if image.size is not None and image.size > max_upload_mb * 2**20:
                 return error(f"{name}: {image.size / 2**20:.1f} MB is over the {max_upload_mb:g} MB limit", 413)
             async with decoding:
