@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from captioner.data.images import ImageError, load_image, to_rgb
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import Vocabulary, detokenize
 from captioner.errors import CaptionerError
 from captioner.files import replace_atomically
 from captioner.models.decoder import AttentionDecoder
@@ -180,7 +180,7 @@ class Captioner:
             words = self.vocab.decode_tokens(tokens.tolist())
             yield CaptionResult(
                 source=source,
-                text=" ".join(words),
+                text=detokenize(words),
                 tokens=words,
                 alphas=alphas[: len(words)].cpu(),
                 score=float(score),

@@ -2,14 +2,16 @@
 serve and demo.
 
     captioner fit --config configs/shapes.yaml
-    captioner demo --checkpoint checkpoints/shapes/best.ckpt
+    captioner demo --ckpt_path checkpoints/shapes/best.ckpt
     captioner caption photos/ --beam-size 3 --overlays overlays/
-    captioner evaluate --config configs/coco_lite0.yaml --checkpoint checkpoints/coco_lite0/best.ckpt
-    captioner export --checkpoint checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
-    captioner serve --checkpoint shapes --port 7860
+    captioner evaluate --config configs/coco_lite0.yaml --ckpt_path checkpoints/coco_lite0/best.ckpt
+    captioner export --ckpt_path checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
+    captioner serve --ckpt_path shapes --port 7860
 
-Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
-`error: ...` line on stderr and exit status 2, never a traceback.
+The checkpoint is `--ckpt_path` in every command, as LightningCLI spells it (`--checkpoint` still works where it
+used to). Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
+`error: ...` line on stderr and exit status 2, never a traceback. Nothing here imports torch before a command runs:
+`captioner --help` answers at once.
 """
 
 from __future__ import annotations
@@ -17,16 +19,53 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from jsonargparse import ArgumentError
-from tqdm import tqdm
 
 from captioner.errors import CaptionerError, ConfigError
 
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
+
+BUNDLED_NOTE = (
+    "note: no --ckpt_path given: captioning with the bundled model, which was trained on synthetic shapes only and "
+    "describes coloured shapes, not photos"
+)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default after its description, unless it has none or is a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser(command: Callable, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand's parser: its docstring as the description, and every option's default in --help."""
+    name = command.__name__.removesuffix("_model")
+    return argparse.ArgumentParser(
+        prog=f"captioner {name}", description=command.__doc__, formatter_class=_Help, **kwargs
+    )
+
+
+def _add_checkpoint(parser: argparse.ArgumentParser, help: str, bundled: bool = False) -> None:
+    """The checkpoint option: `--ckpt_path`, as LightningCLI spells it, or `--checkpoint`, its old spelling here.
+    With `bundled`, it may be left out: the bundled model is used, with a note (`_bundled_unless_given`)."""
+    if bundled:
+        help += " (default: the bundled model `shapes`, trained on synthetic shapes only)"
+    parser.add_argument(
+        "--ckpt_path", "--checkpoint", dest="checkpoint", metavar="PATH", required=not bundled, help=help
+    )
+
+
+def _bundled_unless_given(checkpoint: str | None) -> str:
+    """The checkpoint to load: the one given, or the bundled model, said once on stderr."""
+    if checkpoint is None:
+        print(BUNDLED_NOTE, file=sys.stderr)
+    return checkpoint or "shapes"
 
 
 def _check_config_paths(argv: list[str]) -> None:
@@ -43,18 +82,23 @@ def _check_config_paths(argv: list[str]) -> None:
 
 def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     _check_config_paths(argv)
+    from jsonargparse import ArgumentError
+
     from captioner.data.datamodules import CaptionDataModule
     from captioner.lightning_cli import CaptionerCLI
     from captioner.lit_module import CaptioningModule
 
-    return CaptionerCLI(
-        CaptioningModule,
-        CaptionDataModule,
-        subclass_mode_data=True,
-        args=None if argv == sys.argv[1:] else argv,
-        parser_kwargs={"exit_on_error": False},
-        save_config_kwargs={"overwrite": True},
-    )
+    try:
+        return CaptionerCLI(
+            CaptioningModule,
+            CaptionDataModule,
+            subclass_mode_data=True,
+            args=None if argv == sys.argv[1:] else argv,
+            parser_kwargs={"exit_on_error": False},
+            save_config_kwargs={"overwrite": True},
+        )
+    except ArgumentError as err:  # a mistake on the command line or in the config
+        raise ConfigError(str(err)) from None
 
 
 def _overlay_folder(path: str | None) -> Path | None:
@@ -71,8 +115,8 @@ def _overlay_folder(path: str | None) -> Path | None:
 
 def demo(argv: list[str]) -> None:
     """Caption a few held-out images beside a reference, then print the validation BLEU-4 as the last line."""
-    parser = argparse.ArgumentParser(prog="captioner demo", description=demo.__doc__)
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
+    parser = _parser(demo)
+    _add_checkpoint(parser, "a checkpoint written by `captioner fit --config configs/shapes.yaml`")
     parser.add_argument("--samples", type=int, default=5, help="held-out test images to caption")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     args = parser.parse_args(argv)
@@ -112,11 +156,13 @@ def demo(argv: list[str]) -> None:
 
 def caption(argv: list[str]) -> int:
     """Caption image files and folders; print `path<TAB>caption` (or JSON lines). Exit status 1 if any file failed."""
-    parser = argparse.ArgumentParser(prog="captioner caption", description=caption.__doc__)
+    parser = _parser(caption)
     parser.add_argument("paths", nargs="+", help="image files, or folders searched recursively for images")
-    parser.add_argument("--checkpoint", default="shapes", help="bundled model name, exported model or .ckpt")
-    parser.add_argument("--beam-size", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
+    _add_checkpoint(
+        parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
+    )
+    parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
+    parser.add_argument("--batch-size", type=int, default=16, help="images captioned at once")
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     parser.add_argument(
@@ -128,13 +174,16 @@ def caption(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.beam_size < 1 or args.batch_size < 1:
         raise ConfigError("--beam-size and --batch-size must be positive")
+    checkpoint = _bundled_unless_given(args.checkpoint)
+
+    from tqdm import tqdm
 
     from captioner.api import Captioner
     from captioner.data.images import ImageError, find_images
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    captioner = Captioner.load(args.checkpoint)
+    captioner = Captioner.load(checkpoint)
     paths, errors = find_images(args.paths)
     # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
     progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)
@@ -196,23 +245,30 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
 
 def evaluate(argv: list[str]) -> None:
     """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap)."""
-    parser = argparse.ArgumentParser(
-        prog="captioner evaluate",
-        description=evaluate.__doc__,
+    parser = _parser(
+        evaluate,
         epilog="Options of the data, as in `captioner fit`, override the config's: --data.init_args.data_dir=...",
     )
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
+    _add_checkpoint(parser, "a checkpoint written by `captioner fit`")
     parser.add_argument(
         "--config", help="a YAML whose `data` section names the dataset (default: the checkpoint's training data)"
     )
-    parser.add_argument("--split", choices=("val", "test"), default="test")
-    parser.add_argument("--beam-size", type=int, default=3)
-    parser.add_argument("--max-len", type=int, default=30)
+    parser.add_argument("--split", choices=("val", "test"), default="test", help="the split to caption and score")
+    parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
+    parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
+    parser.add_argument(
+        "--ptb-tokenizer",
+        action="store_true",
+        help="tokenize with coco-caption's PTB tokenizer (Java; English), as published COCO scores are, instead of "
+        "captioner's own, which training and validation use and which knows every script",
+    )
     args, overrides = parser.parse_known_args(argv)
 
     import torch
+    from tqdm import tqdm
 
+    from captioner.data.vocab import tokenize
     from captioner.lightning_cli import load_module
     from captioner.metrics import coco_caption_scores
 
@@ -223,7 +279,7 @@ def evaluate(argv: list[str]) -> None:
     datamodule.setup("test" if args.split == "test" else "validate")
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
-    hypotheses, references = {}, {}
+    hypotheses, references = {}, {}  # image id -> the caption's text; -> its references' texts
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if not batch:  # no readable image in the batch (each was reported)
             continue
@@ -233,7 +289,13 @@ def evaluate(argv: list[str]) -> None:
             image_id = source.image_id(index) if hasattr(source, "image_id") else index
             hypotheses[image_id] = module.vocab.decode(tokens)
             references[image_id] = source.captions(index)
-    scores = coco_caption_scores(hypotheses, references)
+    if args.ptb_tokenizer:
+        scores = coco_caption_scores(hypotheses, references)
+    else:  # the words that the vocabulary, training and validation see, in any script
+        words = {k: " ".join(tokenize(v)) for k, v in hypotheses.items()}
+        scores = coco_caption_scores(
+            words, {k: [" ".join(tokenize(c)) for c in v] for k, v in references.items()}, tokenized=True
+        )
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "metrics.json").write_text(json.dumps(scores, indent=1))
@@ -245,13 +307,15 @@ def evaluate(argv: list[str]) -> None:
         print("METEOR: skipped (needs Java)")
     print("SPICE: skipped (it downloads Stanford CoreNLP at run time)")
     print(f"wrote {output / 'metrics.json'} and {output / 'captions.json'} ({len(hypotheses)} images)")
+    if args.beam_size > 1:
+        print(f"beam {args.beam_size}: `captioner test` and validation decode greedily (--beam-size 1 gives theirs)")
 
 
 def export_model(argv: list[str]) -> None:
     """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read)."""
-    parser = argparse.ArgumentParser(prog="captioner export", description=export_model.__doc__)
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner fit`")
-    parser.add_argument("--output", required=True)
+    parser = _parser(export_model)
+    _add_checkpoint(parser, "a checkpoint written by `captioner fit`")
+    parser.add_argument("--output", required=True, metavar="PATH", help="the model file to write")
     parser.add_argument("--include-encoder", action="store_true", help="keep a frozen pretrained encoder's weights")
     args = parser.parse_args(argv)
     from captioner.api import export
@@ -263,33 +327,27 @@ def export_model(argv: list[str]) -> None:
 def serve(argv: list[str]) -> None:
     """Serve a page and a JSON API (POST /api/caption) that caption images and show each word's attention.
     There is no authentication: anyone who can reach the port can use the model."""
-    parser = argparse.ArgumentParser(prog="captioner serve", description=serve.__doc__)
-    parser.add_argument("--checkpoint", default="shapes", help="bundled model name, exported model or .ckpt")
+    parser = _parser(serve)
+    _add_checkpoint(
+        parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (others need it said)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=int, default=7860, help="the port to listen on")
+    parser.add_argument("--max-upload-mb", type=float, default=20, help="larger uploads get a 413, and are not read")
     parser.add_argument(
-        "--max-upload-mb", type=float, default=20, help="larger uploads get a 413, and are not read further (20)"
+        "--max-batch", type=int, default=8, help="most waiting requests captioned as one batch, and decoded at once"
     )
     parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=8,
-        help="most waiting requests captioned as one batch, and most images decoded at once (8)",
-    )
-    parser.add_argument(
-        "--max-pixels",
-        type=float,
-        default=25e6,
-        help="larger images are refused from their header, before decoding (25e6: 25 megapixels)",
+        "--max-pixels", type=float, default="25e6", help="larger images are refused from their header, before decoding"
     )
     parser.add_argument(
         "--timeout",
         type=float,
         default=30,
-        help="seconds a connection may wait for a request's head or body, or stay idle, before it is closed (30)",
+        help="seconds a connection may wait for a request's head or body, or stay idle, before it is closed",
     )
     parser.add_argument(
-        "--max-connections", type=int, default=256, help="a connection opened over this many gets a 503 (256)"
+        "--max-connections", type=int, default=256, help="a connection opened over this many gets a 503"
     )
     args = parser.parse_args(argv)
     limits = (args.max_upload_mb, args.max_batch, args.max_pixels, args.timeout, args.max_connections)
@@ -299,7 +357,7 @@ def serve(argv: list[str]) -> None:
         from captioner.serve import serve as run
     except ImportError as err:
         raise ConfigError(f"captioner serve needs {err.name}: pip install 'captioner[serve]'") from None
-    run(args.checkpoint, args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
+    run(_bundled_unless_given(args.checkpoint), args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
 
 
 COMMANDS = {
@@ -343,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
             serve(argv[1:])
         else:
             run_lightning_cli(argv)
-    except (CaptionerError, ArgumentError) as err:
+    except CaptionerError as err:
         message = str(err).strip().splitlines()
         print(f"error: {message[0] if message else type(err).__name__}", file=sys.stderr)
         sys.exit(2)

@@ -19,6 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
@@ -26,6 +27,8 @@ from captioner.lit_module import CaptioningModule, gather
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+# Its advice is for epoch-level curves, which CaptioningModule logs anyway (train/loss_epoch).
+warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval Trainer\(log_every_n_steps.*")
 # Raised inside Lightning by newer torch versions; nothing a user of captioner can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
@@ -159,6 +162,18 @@ class CaptionerCLI(LightningCLI):
                 "checkpoint.enable_version_counter": False,
             }
         )
+
+    def before_fit(self) -> None:
+        """`--ckpt_path last` with no last.ckpt yet, as at a preemptible job's first start: one line says so and the
+        run starts from scratch. (Lightning would warn with a hint about `save_last` that does not apply here.)"""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        dirpaths = [getattr(callback, "dirpath", None) for callback in self.trainer.checkpoint_callbacks]
+        folders = sorted({str(Path(dirpath).resolve()) for dirpath in dirpaths if dirpath})
+        if folders and not any((Path(folder) / "last.ckpt").is_file() for folder in folders):
+            rank_zero_info(f"no last.ckpt in {', '.join(folders)}: starting from scratch")
+            config["ckpt_path"] = None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)

@@ -126,6 +126,8 @@ class CaptioningModule(L.LightningModule):
             )
         B = batch["captions"].size(0)
         self.log(f"{stage}/loss", loss.loss, prog_bar=True, batch_size=B)
+        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
+            self.log("train/loss_epoch", loss.loss, on_step=False, on_epoch=True, batch_size=B, sync_dist=True)
         self.log(f"{stage}/nll_per_word", loss.nll_per_word, batch_size=B)
         self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
         return loss.loss

@@ -78,11 +78,13 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     assert logged and all(math.isfinite(value) for value in logged), rows  # no NaN loss or score, ever
     monitor = config["checkpoint"].get("monitor", "val/bleu4")  # the CLI's default
     assert [int(r["epoch"]) for r in rows if r.get(monitor)] == [0, 1]
+    assert [int(r["epoch"]) for r in rows if r.get("train/loss_epoch")] == [0, 1]  # however few batches an epoch has
     if "TensorBoardLogger" in loggers:  # each validation's attention overlays, as images
         board = loggers["TensorBoardLogger"]
         (events,) = (Path(board["save_dir"]) / board["name"] / "version_0").glob("events.out.tfevents.*")
-        images = EventAccumulator(str(events), size_guidance={"images": 0}).Reload().Tags()["images"]
-        assert sorted(images) == [f"attention/val_{i}" for i in range(min(4, len(fit.datamodule.split("val"))))]
+        tags = EventAccumulator(str(events), size_guidance={"images": 0}).Reload().Tags()
+        assert sorted(tags["images"]) == [f"attention/val_{i}" for i in range(min(4, len(fit.datamodule.split("val"))))]
+        assert {"train/loss_epoch", monitor} <= set(tags["scalars"])  # the loss curve, however small the data
 
     test = run_lightning_cli(["test", "--config", str(path), *args, f"--ckpt_path={best}"])
     assert 0.0 <= float(test.trainer.callback_metrics["test/bleu4"]) <= 1.0

@@ -2,8 +2,8 @@
 custom image folder with a JSONL or CSV captions file.
 
 Every reader returns `Record`s; `CaptionSet` holds one split of them and is what the datamodule and the feature cache
-use. Bad annotations (missing image file, empty caption, caption longer than the maximum) are counted, reported once
-in one summary line, and skipped.
+use. Bad annotations (missing image file, empty caption, caption longer than the maximum) are counted and skipped, and
+reported in one summary line when the split is used.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from PIL import Image
 
 from captioner.data.images import load_image
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import lost_characters, tokenize
 from captioner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record
         if captions_file.suffix.lower() == ".csv":
             reader = csv.DictReader(f)
             if not {"image", "caption"} <= set(reader.fieldnames or []):
-                raise ConfigError(f"{captions_file}: the CSV header must have the columns image,caption")
+                found = ",".join(reader.fieldnames or [])[:100] or "an empty file"
+                raise ConfigError(f"{captions_file}: the CSV header must have the columns image,caption; found {found}")
             rows = [(r["image"], r["caption"] or "") for r in reader]
         else:
             for number, line in enumerate(f, start=1):
@@ -90,18 +91,24 @@ def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record
     return [Record(Path(image_dir) / image, caps, image) for image, caps in by_image.items()]
 
 
-def clean(records: list[Record], max_caption_len: int | None, name: str) -> list[Record]:
-    """Drop empty captions, captions of more than `max_caption_len` words (None: keep every length) and images whose
-    file is missing; report what was dropped in one line."""
+def clean(records: list[Record], max_caption_len: int | None, name: str) -> tuple[list[Record], str | None]:
+    """Drop empty captions (no word in any script), captions of more than `max_caption_len` words (None: keep every
+    length) and images whose file is missing. Returns the records kept and a one-line summary of what was dropped,
+    with the first missing file and the folder it was looked for in, and of the symbols that captions lose to the
+    tokenizer (None when nothing was)."""
     dropped: Counter[str] = Counter()
+    missing: Path | None = None
+    lost: Counter[str] = Counter()  # symbols and emoji that `tokenize` drops -> captions that had them
     kept = []
     for record in records:
         if not record.image.is_file():
             dropped["image file missing"] += 1
+            missing = missing or record.image
             continue
         captions = []
         for caption in record.captions:
             words = len(tokenize(caption))
+            lost.update(lost_characters(caption))
             if words == 0:
                 dropped["empty caption"] += 1
             elif max_caption_len is not None and words > max_caption_len:
@@ -112,19 +119,40 @@ def clean(records: list[Record], max_caption_len: int | None, name: str) -> list
             kept.append(Record(record.image, captions, record.image_id))
         else:
             dropped["image with no usable caption"] += 1
-    if dropped:
-        summary = ", ".join(f"{n} {what}" for what, n in sorted(dropped.items()))
-        log.warning("%s: skipped %s; kept %d images", name, summary, len(kept))
-    return kept
+    if not dropped and not lost:
+        return kept, None
+    parts = [plural(n, what) for what, n in sorted(dropped.items())]
+    if missing is not None:
+        parts[sorted(dropped).index("image file missing")] += (
+            f" (the first: {missing.resolve()}, looked for in {missing.parent.resolve()})"
+        )
+    summary = f"{name}: skipped {', '.join(parts)}; kept {plural(len(kept), 'image')}" if dropped else name + ":"
+    if lost:
+        symbols = " ".join(symbol for symbol, _ in lost.most_common(10))
+        summary += f"{';' if dropped else ''} captions lose the symbols {symbols} (the tokenizer keeps words)"
+    return kept, summary
+
+
+PLURALS = {"image file missing": "image files missing", "image with no usable caption": "images with no usable caption"}
+
+
+def plural(count: int, what: str) -> str:
+    """ "1 empty caption", "2 empty captions", "2 image files missing", "2 captions longer than 50 words"."""
+    if count == 1:
+        return f"1 {what}"
+    first, _, rest = what.partition(" ")
+    words = PLURALS.get(what) or (f"{first}s {rest}" if first == "caption" else f"{what}s")
+    return f"{count:,} {words}"
 
 
 class CaptionSet:
-    """One split of a real dataset: images on disk and their reference captions."""
+    """One split of a real dataset: images on disk and their reference captions, and the summary of what `clean`
+    dropped from them (reported by the datamodule when the split is used)."""
 
-    def __init__(self, name: str, records: list[Record]):
+    def __init__(self, name: str, records: list[Record], summary: str | None = None):
         if not records:
-            raise ConfigError(f"{name}: no usable images")
-        self.records = records
+            raise ConfigError(f"{name}: no usable images" + (f" ({summary})" if summary else ""))
+        self.records, self.summary = records, summary
         listing = "\n".join(f"{r.image}|{len(r.captions)}" for r in records)
         self.identity = f"{name}-n{len(records)}-{hashlib.sha256(listing.encode()).hexdigest()[:10]}"
 

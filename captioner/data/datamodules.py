@@ -18,7 +18,7 @@ from captioner.data.coco import CaptionSet, clean, read_coco, read_custom, read_
 from captioner.data.features import FeatureCache, ImageSource
 from captioner.data.images import ImageError
 from captioner.data.shapes import ShapesDataset
-from captioner.data.vocab import Vocabulary, tokenize
+from captioner.data.vocab import TOKENIZER_VERSION, Vocabulary, tokenize
 from captioner.errors import ConfigError
 from captioner.files import build_lock
 from captioner.models.encoder import Encoder
@@ -179,7 +179,8 @@ class CaptionDataModule(L.LightningDataModule):
         (two runs on one data_dir) take turns through its lock file: one builds it, the other reads it."""
         if self._vocab is None:
             train = self.split("train")
-            path = self.data_dir / f"vocab-{train.identity}-min{self.min_word_count}-max{self.max_vocab_size}.json"
+            limits = f"tok{TOKENIZER_VERSION}-min{self.min_word_count}-max{self.max_vocab_size}"
+            path = self.data_dir / f"vocab-{train.identity}-{limits}.json"
             with build_lock(path):
                 if path.exists():
                     self._vocab = Vocabulary.load(path)
@@ -206,6 +207,8 @@ class CaptionDataModule(L.LightningDataModule):
 
     def _dataset(self, split: str, mode: str) -> CaptionDataset:
         source = self.split(split)
+        if getattr(source, "summary", None):  # what was skipped, said once, by the split that is used
+            log.warning(source.summary)
         encoder = self._model_encoder()
         features = None
         augment = self.augment and split == "train"
@@ -398,7 +401,7 @@ class CocoDataModule(CaptionDataModule):
             ]
         name = f"{root.name}-{self.format}-{split}"
         max_words = self.max_train_caption_len if split == "train" else None
-        return CaptionSet(name, clean(records, max_words, name))
+        return CaptionSet(name, *clean(records, max_words, name))
 
     def _custom_split(self, image: str) -> str:
         u = zlib.crc32(image.encode()) / 2**32  # stable across runs and machines

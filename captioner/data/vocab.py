@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cache
@@ -12,19 +13,55 @@ from captioner.errors import CaptionerError
 from captioner.files import write_text_atomically
 
 
-@cache
-def _tokenizer():
-    # Imported on first use: nltk takes about a second to import, and captioning images never tokenizes.
-    from nltk.tokenize import RegexpTokenizer
+# Scripts written without spaces between words. Their text is split into characters (grapheme clusters), as Chinese
+# and Japanese captions (COCO-CN, STAIR) are usually scored, and their tokens are joined back without spaces.
+UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}"
+_LETTER = rf"(?:(?![{UNSPACED}])[\p{{L}}\p{{M}}\p{{N}}])"  # a letter, mark or digit of any other script
+# A word: letters, marks and digits, with inner apostrophes ("man's", "l'eau"); or one character of an unspaced script.
+TOKEN = rf"(?=[{UNSPACED}])\X|{_LETTER}+(?:'{_LETTER}+)*"
+TOKENIZER_VERSION = 2  # in the vocabulary's file name: 1 kept [a-z0-9] only
+APOSTROPHES = str.maketrans({"\u2019": "'", "\u02bc": "'"})  # typographic ones count as "'"
 
-    # Words and numbers, keeping inner apostrophes ("man's"); punctuation is dropped, as in the usual COCO
-    # preprocessing. A RegexpTokenizer needs no downloaded nltk data (word_tokenize needs punkt).
-    return RegexpTokenizer(r"[a-z0-9]+(?:'[a-z]+)*")
+
+@cache
+def _patterns():
+    # Imported on first use; `regex` (an nltk dependency) knows Unicode scripts and grapheme clusters, `re` does not.
+    import regex
+
+    lost = r"[^\p{L}\p{M}\p{N}\p{P}\s]"  # what a caption loses besides punctuation and spaces: symbols, emoji
+    return regex.compile(TOKEN), regex.compile(rf"^[{UNSPACED}]"), regex.compile(lost)
+
+
+def normalize(text: str) -> str:
+    """NFC and case folding: "Café" and "cafe\u0301" both give "café"; "Straße" gives "strasse"."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold()).translate(APOSTROPHES)
 
 
 def tokenize(text: str) -> list[str]:
-    """Lowercase and split a caption into words: "A red Circle, left." -> ["a", "red", "circle", "left"]."""
-    return _tokenizer().tokenize(text.lower())
+    """A caption's words, in any script: normalised (`normalize`), then letters, marks and digits with inner
+    apostrophes; punctuation and symbols are dropped, as in the usual COCO preprocessing, and text in an unspaced
+    script (Chinese, Japanese, Thai, ...) is split into characters.
+
+        "A red Circle, left." -> ["a", "red", "circle", "left"]
+        "Un café crème."      -> ["un", "café", "crème"]
+        "一只猫在床上"           -> ["一", "只", "猫", "在", "床", "上"]
+    """
+    return _patterns()[0].findall(normalize(text))
+
+
+def lost_characters(text: str) -> set[str]:
+    """The characters that `tokenize` drops other than punctuation and spaces (symbols such as "$" or "°", emoji)."""
+    return set(_patterns()[2].findall(normalize(text)))
+
+
+def detokenize(words: Sequence[str]) -> str:
+    """Words -> text: joined by spaces, except between two characters of an unspaced script ("一只猫")."""
+    unspaced = _patterns()[1]
+    text = ""
+    for previous, word in zip([None, *words], words, strict=False):
+        joined = previous is not None and unspaced.match(previous) and unspaced.match(word)
+        text += word if previous is None or joined else " " + word
+    return text
 
 
 class Vocabulary:
@@ -81,7 +118,7 @@ class Vocabulary:
         return words
 
     def decode(self, ids: Iterable[int]) -> str:
-        return " ".join(self.decode_tokens(ids))
+        return detokenize(self.decode_tokens(ids))
 
     def to_list(self) -> list[str]:
         return list(self.itos)

@@ -52,19 +52,39 @@ def test_readers_agree_on_the_photos_and_their_captions(tmp_path):
     ]
 
 
-def test_bad_annotations_are_counted_once_and_skipped(tmp_path, caplog):
+def test_bad_annotations_are_counted_and_skipped_in_one_line_that_shows_what_was_found(tmp_path):
     write_custom(tmp_path)
     with (tmp_path / "captions.jsonl").open("a") as f:
-        f.write(json.dumps({"image": "gone.jpg", "caption": "a photo that is not there"}) + "\n")
-        f.write(json.dumps({"image": "set0/coffee.jpg", "caption": "  ...  "}) + "\n")
-        f.write(json.dumps({"image": "set1/coffee.jpg", "caption": "word " * 60}) + "\n")
+        for line in [
+            {"image": "gone.jpg", "caption": "a photo that is not there"},
+            {"image": "images/set1/gone.jpg", "caption": "another"},
+            {"image": "set0/coffee.jpg", "caption": "  ...  "},
+            {"image": "set0/coffee.jpg", "caption": " -- "},
+            {"image": "set1/coffee.jpg", "caption": "word " * 60},
+            {"image": "set2/coffee.jpg", "caption": "un café crème 😀"},
+            {"image": "set2/rocket.jpg", "caption": "火箭在发射台上"},
+        ]:
+            f.write(json.dumps(line) + "\n")
     records = read_custom(tmp_path / "captions.jsonl", tmp_path / "images")
-    with caplog.at_level(logging.WARNING):
-        kept = clean(records, max_caption_len=50, name="mine")
-    assert len(kept) == 12 and all(len(r.captions) == 2 for r in kept)
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "mine: skipped" in line and "1 image file missing" in line and "1 empty caption" in line
-    assert "1 caption longer than 50 words" in line
+    kept, summary = clean(records, max_caption_len=50, name="mine")
+    assert len(kept) == 12 and [len(r.captions) for r in kept].count(3) == 2  # café and the Chinese caption stay
+    images = (tmp_path / "images").resolve()
+    assert summary == (
+        f"mine: skipped 1 caption longer than 50 words, 2 empty captions, 2 image files missing (the first: "
+        f"{images / 'gone.jpg'}, looked for in {images}); kept 12 images; captions lose the symbols 😀 (the tokenizer "
+        "keeps words)"
+    )
+    assert clean(records[:1], None, "clean") == (records[:1], None)
+
+
+def test_a_csv_without_the_columns_names_the_header_it_found(tmp_path):
+    (tmp_path / "captions.csv").write_text("filename,caption\na.jpg,a cat\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"captions\.csv: the CSV header must have the columns image,caption; found "
+        r"filename,caption$",
+    ):
+        read_custom(tmp_path / "captions.csv", tmp_path)
 
 
 def test_broken_image_file_does_not_stop_a_run(tmp_path, monkeypatch):

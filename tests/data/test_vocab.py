@@ -1,6 +1,6 @@
 import pytest
 
-from captioner.data.vocab import Vocabulary, tokenize
+from captioner.data.vocab import Vocabulary, detokenize, lost_characters, tokenize
 from captioner.errors import CaptionerError
 
 
@@ -15,6 +15,33 @@ def test_tokenize_lowercases_and_drops_punctuation():
         "the",
         "square",
     ]
+
+
+@pytest.mark.parametrize(
+    ("caption", "tokens"),
+    [
+        ("Un café crème, naïve.", ["un", "café", "crème", "naïve"]),
+        ("CAFE\u0301 l\u2019eau", ["café", "l'eau"]),  # a combining accent and a typographic apostrophe
+        ("Кошка спит на диване.", ["кошка", "спит", "на", "диване"]),
+        ("Die Straße", ["die", "strasse"]),  # case folding
+        ("一只猫在床上。", ["一", "只", "猫", "在", "床", "上"]),  # no spaces: one token a character
+        ("猫がいる", ["猫", "が", "い", "る"]),
+        ("नमस्ते दुनिया", ["नमस्ते", "दुनिया"]),  # combining vowel signs stay in their word
+        ("two cats 😀 for 5 $", ["two", "cats", "for", "5"]),
+    ],
+)
+def test_tokenize_keeps_the_words_of_every_script(caption, tokens):
+    assert tokenize(caption) == tokens
+
+
+def test_what_a_caption_loses_and_how_words_join_back():
+    assert lost_characters("two cats 😀 for 5 $, no?") == {"😀", "$"}
+    assert lost_characters("Un café crème, naïve.") == set()
+    assert detokenize(["a", "red", "circle"]) == "a red circle"
+    assert detokenize(["一", "只", "猫", "in", "a", "box", "里"]) == "一只猫 in a box 里"
+    vocab = Vocabulary.build(["一只猫在床上", "un café"])
+    assert "café" in vocab.stoi and "猫" in vocab.stoi
+    assert vocab.decode(vocab.encode("一只猫")) == "一只猫"
 
 
 def test_build_counts_thresholds_and_caps():
