@@ -12,7 +12,6 @@ from pathlib import Path
 from captioner.errors import CaptionerError
 from captioner.files import write_text_atomically
 
-
 # Scripts written without spaces between words. Their text is split into characters (grapheme clusters), as Chinese
 # and Japanese captions (COCO-CN, STAIR) are usually scored, and their tokens are joined back without spaces.
 UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}"
