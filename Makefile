@@ -20,7 +20,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 demo: $(VENV)/.installed  ## train on the built-in shapes set, caption held-out images, write their overlays, print val/bleu4
 	$(BIN)/captioner fit --config configs/shapes.yaml --trainer.enable_progress_bar=false
-	$(BIN)/captioner demo --checkpoint $(CKPT) --overlays overlays/demo
+	$(BIN)/captioner demo --ckpt_path $(CKPT) --overlays overlays/demo
 
 test: install  ## run the test suite (slow tests excluded: add -m slow to run them)
 	$(BIN)/python -m pytest

@@ -174,8 +174,6 @@ def caption(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.beam_size < 1 or args.batch_size < 1:
         raise ConfigError("--beam-size and --batch-size must be positive")
-    checkpoint = _bundled_unless_given(args.checkpoint)
-
     from tqdm import tqdm
 
     from captioner.api import Captioner
@@ -183,7 +181,7 @@ def caption(argv: list[str]) -> int:
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    captioner = Captioner.load(checkpoint)
+    captioner = Captioner.load(_bundled_unless_given(args.checkpoint))
     paths, errors = find_images(args.paths)
     # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
     progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)

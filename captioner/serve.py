@@ -1,6 +1,6 @@
 """`captioner serve`: a page that captions an image and shows where the model looked for each word, and its JSON API.
 
-    captioner serve --checkpoint shapes --port 7860
+    captioner serve --ckpt_path shapes --port 7860
     curl -F image=@cat.jpg -F beam_size=3 http://127.0.0.1:7860/api/caption
 
 The stack is FastAPI serving one static page (`captioner/static/index.html`, plain JavaScript), not Gradio: the

@@ -72,24 +72,28 @@ def attention_grid(
 ) -> Image.Image:
     """One PNG-ready picture: the image, then one overlay tile per word, each titled with its word, and under them a
     colour bar: every word on one scale, from α = 0 to the largest α of any word (`per_word` scales each word to its
-    own largest α instead, and the bar says so)."""
+    own largest α instead, and the bar says so). Tiles keep the image's aspect ratio, `tile` pixels on the longer side:
+    the attention grid covers the whole image (the encoder's input is the image squashed to a square, not cropped), so
+    it is stretched back over the image as it is."""
     if len(alphas) < len(words):
         raise ValueError(f"{len(words)} words but only {len(alphas)} attention maps")
     title_height, bar_height, floor = 22, 24, 0.2
     scale = common_scale(alphas[: len(words)], per_word)
-    thumb = image.convert("RGB").resize((tile, tile), Image.Resampling.BICUBIC)
+    W, H = image.size
+    width, height = (tile, max(1, round(tile * H / W))) if W >= H else (max(1, round(tile * W / H)), tile)
+    thumb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
     tiles = [("", thumb)] + [
         (word, overlay_attention(thumb, alphas[i], grid_hw, scale, floor)) for i, word in enumerate(words)
     ]
     rows = -(-len(tiles) // columns)
-    sheet = Image.new("RGB", (columns * tile, rows * (tile + title_height) + bar_height), "white")
+    sheet = Image.new("RGB", (max(columns * width, 360), rows * (height + title_height) + bar_height), "white")
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
     for k, (word, picture) in enumerate(tiles):
-        x, y = (k % columns) * tile, (k // columns) * (tile + title_height)
+        x, y = (k % columns) * width, (k // columns) * (height + title_height)
         draw.text((x + 4, y + 4), word, fill="black", font=font)
         sheet.paste(picture, (x, y + title_height))
-    y = rows * (tile + title_height) + 6
+    y = rows * (height + title_height) + 6
     top = "each word's own largest weight" if scale is None else f"{scale:.3f}"  # PIL's default font has no α
     draw.text((4, y), "attention weight: 0", fill="black", font=font)
     for i in range(200):  # the bar, from the darkest overlay to the brightest

@@ -35,9 +35,9 @@ def test_all_good_files_exit_zero_with_json_and_overlays(tiny_model, tmp_path):
     assert set(record) == {"path", "caption", "tokens", "score"} and record["path"] == str(image)
     assert record["caption"] == " ".join(record["tokens"])
     (sheet,) = (tmp_path / "overlays").glob("*.png")
-    tiles = 1 + len(record["tokens"])  # the image, then one tile per word
+    tiles = 1 + len(record["tokens"])  # the image, then one tile per word, 192 pixels wide for this 4:3 photo
     width, height = Image.open(sheet).size
-    assert width == 5 * 192 and height == -(-tiles // 5) * (192 + 22) + 24  # rows of tiles, then the colour bar
+    assert width == 5 * 192 and height == -(-tiles // 5) * (144 + 22) + 24  # rows of tiles, then the colour bar
 
 
 def test_missing_path_is_reported_and_fails(tiny_model, tmp_path):

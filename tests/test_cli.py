@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import yaml
 from PIL import Image
 
 from captioner.cli import main, run_lightning_cli
+from captioner.data.shapes import ShapesDataset
 from tests.conftest import tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -30,16 +32,18 @@ def test_fast_dev_run_fit_on_cpu(tmp_path):
     assert list((tmp_path / "data" / "features").glob("*/annotations.npy"))  # the frozen encoder's cache was built
 
 
-def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(tmp_path, capsys):
-    main(["fit", *tiny_fit_args(tmp_path)])
+def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(tmp_path, capfd):
+    main(["fit", *tiny_fit_args(tmp_path), "--ckpt_path", "last"])  # nothing to resume yet: a preemptible job's start
+    said = capfd.readouterr().err
+    assert f"no last.ckpt in {tmp_path / 'checkpoints'}: starting from scratch" in said and "save_last" not in said
     checkpoint = tmp_path / "checkpoints" / "best.ckpt"
     assert checkpoint.is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     vocab = state["hyper_parameters"]["vocab"]
     assert vocab[:4] == ["<pad>", "<start>", "<end>", "<unk>"] and "circle" in vocab
-    capsys.readouterr()
-    main(["demo", "--checkpoint", str(checkpoint), "--samples", "2", "--overlays", str(tmp_path / "overlays")])
-    lines = capsys.readouterr().out.strip().splitlines()
+    capfd.readouterr()
+    main(["demo", "--ckpt_path", str(checkpoint), "--samples", "2", "--overlays", str(tmp_path / "overlays")])
+    lines = capfd.readouterr().out.strip().splitlines()
     assert sum(line.strip().startswith("generated:") for line in lines) == 2
     assert lines[-1].startswith("val/bleu4=") and 0.0 <= float(lines[-1].split("=")[1]) <= 1.0
     captions = [line.split("generated:")[1].split() for line in lines if line.strip().startswith("generated:")]
@@ -123,11 +127,49 @@ def test_predict_writes_captions_as_json_lines(tmp_path):
 
 
 @pytest.mark.parametrize("args", [[], ["--help"], ["-h"]])
-def test_the_command_alone_or_with_help_lists_every_subcommand(args):
-    result = subprocess.run([sys.executable, "-m", "captioner.cli", *args], capture_output=True, text=True, timeout=60)
+def test_the_command_alone_or_with_help_lists_every_subcommand_without_importing_torch(args):
+    command = [sys.executable, "-X", "importtime", "-m", "captioner.cli", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == (2 if not args else 0) and "Traceback" not in result.stderr
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
     assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "serve", "demo"]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert "captioner.errors" in imported and not imported & {"torch", "lightning", "jsonargparse", "PIL"}
+
+
+@pytest.mark.parametrize("command", ["caption", "evaluate", "export", "serve", "demo"])
+def test_every_option_is_described_with_its_default_and_the_checkpoint_is_spelled_as_in_fit(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = capsys.readouterr().out
+    options = re.findall(r"^  (-[^ ,]+(?:[ ,][^ ]+)*?)(?:  +|\n)(.*?)(?=^  -|^\S|\Z)", help_text, re.M | re.S)
+    assert len(options) >= 3
+    for option, description in options:
+        if option != "-h":
+            assert len(description.split()) >= 3, (option, description)  # described, not a bare option
+    text = " ".join(help_text.split())
+    assert "--ckpt_path PATH, --checkpoint PATH" in text  # fit's spelling, and the old one still works
+    defaults = {
+        "caption": ["(default: 3)", "(default: 16)", "(default: the bundled model `shapes`, trained on synthetic"],
+        "evaluate": ["(default: test)", "(default: evaluation)"],
+        "serve": ["(default: 7860)", "(default: 25e6)", "(default: 30)", "(default: the bundled model `shapes`"],
+        "demo": ["(default: 5)"],
+        "export": [],
+    }
+    for default in defaults[command]:
+        assert default in text, (command, default)
+
+
+def test_the_bundled_model_says_what_it_is_when_no_checkpoint_is_given(tmp_path, capsys):
+    image = tmp_path / "shapes.png"
+    ShapesDataset("test", 1).load_image(0).save(image)
+    for args, note in (([], True), (["--ckpt_path", "shapes"], False)):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["caption", str(image), *args])
+        assert exit_info.value.code == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith(f"{image}\t")
+        assert captured.err.count("trained on synthetic shapes only") == (1 if note else 0), captured.err
 
 
 def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_model, tmp_path, capsys):

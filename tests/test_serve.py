@@ -258,6 +258,13 @@ def test_the_page_in_a_browser(server, images, tmp_path):
             page.evaluate(gesture, list(content))
             page.wait_for_function("document.getElementById('caption').textContent.length > 0")
             assert page.text_content("#caption") == expected.text and words.count() == len(expected.tokens)
+
+        wide = tmp_path / "wide.png"  # a 2:1 picture: its overlays are 2:1 too, not squashed to squares
+        ShapesDataset("test", 1, seed=1).load_image(0).resize((448, 224)).save(wide)
+        page.set_input_files("#file", str(wide))
+        page.wait_for_function("document.getElementById('caption').textContent.length > 0")
+        sizes = page.evaluate("[...document.querySelectorAll('#big, #strip canvas')].map(c => [c.width, c.height])")
+        assert sizes[0] == [672, 336] and all(size == [224, 112] for size in sizes[1:]), sizes
         browser.close()
 
 

@@ -10,14 +10,16 @@ from captioner.visualize import attention_grid, attention_map, overlay_attention
 from tests.images import photo
 
 
-def count_tiles(sheet: Image.Image, tile: int = 192, title: int = 22, columns: int = 5) -> int:
-    """Slots of the sheet whose picture area is not blank white."""
+def count_tiles(sheet: Image.Image, image: Image.Image, tile: int = 192, title: int = 22, columns: int = 5) -> int:
+    """Slots of the sheet whose picture area is not blank white; tiles are `tile` pixels on the image's longer side."""
+    W, H = image.size
+    width, height = (tile, round(tile * H / W)) if W >= H else (round(tile * W / H), tile)
     pixels = np.asarray(sheet)
-    rows = sheet.size[1] // (tile + title)
+    rows = sheet.size[1] // (height + title)
     filled = 0
     for k in range(rows * columns):
-        x, y = (k % columns) * tile, (k // columns) * (tile + title) + title
-        filled += bool((pixels[y : y + tile, x : x + tile] < 250).any())
+        x, y = (k % columns) * width, (k // columns) * (height + title) + title
+        filled += bool((pixels[y : y + height, x : x + width] < 250).any())
     return filled
 
 
@@ -60,7 +62,7 @@ def test_one_scale_for_every_word_unless_asked_per_word():
 def test_grid_has_one_tile_per_word_plus_the_image(n_words):
     alphas = torch.softmax(torch.randn(n_words, 49), dim=-1)
     sheet = attention_grid(photo("chelsea"), [f"w{i}" for i in range(n_words)], alphas, (7, 7))
-    assert count_tiles(sheet) == n_words + 1
+    assert count_tiles(sheet, photo("chelsea")) == n_words + 1
 
 
 def test_plot_attention_returns_a_figure_with_titled_panels():
@@ -82,4 +84,17 @@ def test_visualize_module_does_not_import_matplotlib():
 
 def test_an_empty_caption_gives_the_image_alone():
     sheet = attention_grid(photo("chelsea"), [], torch.zeros(0, 49), (7, 7))
-    assert count_tiles(sheet) == 1
+    assert count_tiles(sheet, photo("chelsea")) == 1
+
+
+@pytest.mark.parametrize(("size", "tile_size"), [((400, 200), (192, 96)), ((150, 300), (96, 192))])
+def test_tiles_keep_the_photo_s_aspect_ratio(size, tile_size):
+    """The attention grid covers the whole photo (the encoder squashes it, it does not crop), so a 2:1 photo's tiles
+    are 2:1, and the grid's left column lies over the photo's left half."""
+    image = Image.new("RGB", size, (200, 200, 200))
+    left = torch.tensor([1.0, 0.0, 1.0, 0.0])  # the left column of a 2x2 grid
+    sheet = np.asarray(attention_grid(image, ["left"], left.unsqueeze(0), (2, 2)))
+    width, height = tile_size
+    assert sheet.shape[0] == 22 + height + 24  # one row of tiles, then the colour bar
+    tile = sheet[22 : 22 + height, width : 2 * width]  # the word's tile, right of the photo's
+    assert tile[:, : width // 2 - 16].mean() > 150 and tile[:, width // 2 + 16 :].mean() < 80
