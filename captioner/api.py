@@ -25,6 +25,7 @@ from captioner.data.vocab import Vocabulary, detokenize
 from captioner.errors import CaptionerError
 from captioner.files import replace_atomically
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
 
 ASSETS = Path(__file__).parent / "assets"
@@ -129,7 +130,7 @@ class Captioner:
         beam_size: int = 3,
         batch_size: int = 16,
         max_len: int = 30,
-        length_penalty: float = 0.0,
+        length_penalty: float = LENGTH_PENALTY,
     ) -> Iterator[CaptionResult | ImageError]:
         """Caption images in batches, in order, holding only one batch in memory.
 
@@ -158,7 +159,7 @@ class Captioner:
         beam_size: int = 3,
         batch_size: int = 16,
         max_len: int = 30,
-        length_penalty: float = 0.0,
+        length_penalty: float = LENGTH_PENALTY,
     ) -> list[CaptionResult]:
         """Caption images (paths or PIL images); raises ImageError naming the first file that cannot be read."""
         if isinstance(images, (str, Path, Image.Image)):

@@ -37,6 +37,7 @@ def held_out(model) -> dict[str, float]:
         "ceiling": sum(ceilings) / len(ceilings),  # the same words, attended as well as a 14x14 grid can
         "bleu4": bleu([r.tokens for r in results], references),
         "exact": sum(r.tokens in refs for r, refs in zip(results, references, strict=True)) / len(results),
+        "words": sum(len(r.tokens) for r in results) / len(results),
     }
     print("\nbundled model, 500 test images, beam 3:", {k: round(v, 4) for k, v in figures.items()})  # with -s
     return figures
@@ -56,12 +57,12 @@ def plain(model) -> float:
 
 
 def test_on_its_test_split_its_attention_lands_on_the_object_it_names(held_out):
-    assert held_out["attention"] >= 0.75  # 0.754; the uniform-attention baseline is 0.070
+    assert held_out["attention"] >= 0.75  # 0.757; the uniform-attention baseline is 0.070
     assert held_out["attention"] < held_out["ceiling"] < 1  # the ceiling of these words
 
 
 def test_on_its_test_split_it_says_what_is_there(held_out):
-    assert held_out["bleu4"] >= 0.93  # 0.945
+    assert held_out["bleu4"] >= 0.93  # 0.956
     assert held_out["exact"] >= 0.8  # 0.84 of the captions are one of the five references, word for word
 
 

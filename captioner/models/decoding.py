@@ -10,6 +10,12 @@ import torch.nn.functional as F
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
 
+# Beam search ranks hypotheses by log-probability / length**LENGTH_PENALTY. Ranked by the raw sum (0), every word
+# costs probability, so short captions win: on a weak model, beam search ends after two words where greedy search
+# goes on. Per word (1, as fairseq and Hugging Face default to) it does not; on the bundled model it also scores
+# higher (README, "A ready model").
+LENGTH_PENALTY = 1.0
+
 
 @dataclass
 class Generation:
@@ -79,7 +85,7 @@ def beam_search(
     end_index: int,
     beam_size: int = 3,
     max_len: int = 30,
-    length_penalty: float = 0.0,
+    length_penalty: float = LENGTH_PENALTY,
     pad_index: int = 0,
 ) -> Generation:
     """Beam search over all images and beams at once: each step is one decoder call on the hypotheses of all the
@@ -92,8 +98,10 @@ def beam_search(
       annotations and keys shrink with the set of images still searching.
     - Hypotheses are recorded by back-pointers (one (B*K,) row of parents per step) and read back once at the end.
 
-    Each image gets its best finished hypothesis by score / length**length_penalty (0 = raw log-probability); if none
-    finished within max_len, the best unfinished one. It never returns an empty caption.
+    Hypotheses are ranked by score / length**length_penalty (0: the raw log-probability), in the search as at its end:
+    a finished hypothesis keeps its length, and a live one that reaches a better score per word can take its place.
+    Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. It never
+    returns an empty caption.
     """
     B, P, _ = annotations.shape
     K = beam_size
@@ -144,7 +152,12 @@ def beam_search(
         if some_ended:
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
-        scores, best = candidates.topk(K, dim=1)  # (A,K)
+        if length_penalty:  # rank by score / length**length_penalty: a finished caption keeps its length
+            extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (A*G,)
+            best = (candidates.view(A * G, V) / extended.unsqueeze(1)).view(A, G * V).topk(K, dim=1).indices
+            scores = candidates.gather(1, best)  # (A,K)
+        else:
+            scores, best = candidates.topk(K, dim=1)  # (A,K)
         parents = (best // V + torch.arange(A, device=device).unsqueeze(1) * G).view(-1)  # (A*K,) rows extended
         tokens = best.view(-1) % V  # (A*K,); not a view, which would give torch.compile one more graph
         was_finished = finished[parents]

@@ -11,7 +11,7 @@ from torch import nn
 
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import Generation, beam_search, greedy_search
+from captioner.models.decoding import LENGTH_PENALTY, Generation, beam_search, greedy_search
 from captioner.models.encoder import Encoder
 
 
@@ -194,7 +194,7 @@ class ShowAttendTell(nn.Module):
         annotations: torch.Tensor | None = None,
         beam_size: int = 1,
         max_len: int = 30,
-        length_penalty: float = 0.0,
+        length_penalty: float = LENGTH_PENALTY,
     ) -> Generation:
         """Caption a batch: greedy when beam_size is 1, else batched beam search (`captioner.models.decoding`).
 

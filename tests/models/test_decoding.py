@@ -69,6 +69,29 @@ def random_decoder() -> AttentionDecoder:
     return AttentionDecoder(30, 16, 9, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0).eval()
 
 
+# A weak model: every word is a gamble. Greedy search writes A B C and ends, p = 0.5 * 0.4 * 0.5 * 0.6 = 0.06, about
+# 0.50 a word (geometric mean, <end> counted); ending after A has p = 0.5 * 0.35 = 0.175, more in all but 0.42 a word.
+WEAK = {
+    START: {A: 0.5, B: 0.25, C: 0.2, END: 0.05},
+    A: {B: 0.4, END: 0.35, C: 0.25},
+    B: {C: 0.5, END: 0.3, A: 0.2},
+    C: {END: 0.6, A: 0.2, B: 0.2},
+}
+
+
+def test_on_a_weak_model_beam_search_ranked_per_word_does_not_cut_the_caption_short():
+    """Ranked by raw log-probability, beam search prefers the one-word caption that greedy search passes by; ranked
+    per word (the default), it writes the caption greedy does."""
+    decoder, annotations = TableDecoder(WEAK), torch.zeros(1, 4, 2)
+    greedy = greedy_search(decoder, annotations, max_len=10, **SPECIAL)
+    raw = beam_search(decoder, annotations, beam_size=3, max_len=10, length_penalty=0.0, **SPECIAL)
+    default = beam_search(decoder, annotations, beam_size=3, max_len=10, **SPECIAL)
+    assert greedy.tokens[0].tolist() == [A, B, C, END]
+    assert raw.tokens[0, : int(raw.lengths[0])].tolist() == [A, END]
+    assert default.tokens[0].tolist() == [A, B, C, END]
+    assert default.scores[0].item() == pytest.approx(math.log(0.06), abs=1e-5)  # the raw sum, as before
+
+
 def test_beam_size_one_is_exactly_greedy():
     decoder, annotations = random_decoder(), torch.randn(5, 9, 16)
     with torch.inference_mode():
@@ -173,9 +196,13 @@ def test_beam_search_drops_an_image_once_all_its_hypotheses_have_ended():
     assert out.scores[0].item() == pytest.approx(math.log(0.9), abs=1e-4)
 
 
-def reference_beam_search(decoder, annotations, beam_size, max_len):
-    """Beam search in plain Python, one image and one hypothesis at a time, every hypothesis through the whole step:
-    what beam_search must return with length_penalty 0. Returns (words, score) per image."""
+def reference_beam_search(decoder, annotations, beam_size, max_len, length_penalty):
+    """Beam search in plain Python, one image and one hypothesis at a time, every hypothesis through the whole step,
+    ranked by log-probability / length**length_penalty. Returns (words, score) per image."""
+
+    def rank(beam):
+        return beam[1] / len(beam[0]) ** length_penalty
+
     results = []
     for image in annotations:
         memory = image.unsqueeze(0)
@@ -193,23 +220,26 @@ def reference_beam_search(decoder, annotations, beam_size, max_len):
                 candidates += [
                     (words + [w], score + lp, next_state) for w, lp in enumerate(log_probs) if w not in (PAD, START)
                 ]
-            beams = sorted(candidates, key=lambda beam: beam[1], reverse=True)[:beam_size]
+            beams = sorted(candidates, key=rank, reverse=True)[:beam_size]
             if all(words[-1] == END for words, _, _ in beams):
                 break
         finished = [beam for beam in beams if beam[0][-1] == END]
-        words, score, _ = max(finished or beams, key=lambda beam: beam[1])
+        words, score, _ = max(finished or beams, key=rank)
         results.append((words, score))
     return results
 
 
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
 @pytest.mark.parametrize("beam_size", [3, 5])
-def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothesis(beam_size):
+def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothesis(beam_size, length_penalty):
     decoder, annotations = random_decoder(), torch.randn(6, 9, 16)
-    decoder.L_o.bias.data[END] += 1.0  # hypotheses end at different steps, also within one image
+    decoder.L_o.bias.data[END] += 1.0 + 0.5 * length_penalty  # hypotheses end at different steps, also in one image
     counter = RowCounter(decoder)
     with torch.inference_mode():
-        out = beam_search(counter, annotations, beam_size=beam_size, max_len=10, **SPECIAL)
-        expected = reference_beam_search(decoder, annotations, beam_size, max_len=10)
+        out = beam_search(
+            counter, annotations, beam_size=beam_size, max_len=10, length_penalty=length_penalty, **SPECIAL
+        )
+        expected = reference_beam_search(decoder, annotations, beam_size, 10, length_penalty)
     for i, (words, score) in enumerate(expected):
         assert out.tokens[i, : int(out.lengths[i])].tolist() == words
         assert out.scores[i].item() == pytest.approx(score, abs=1e-4)
