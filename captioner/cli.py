@@ -28,6 +28,10 @@ from captioner.errors import CaptionerError, ConfigError
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
 
+LENGTH_PENALTY = 1.0  # captioner.models.decoding.LENGTH_PENALTY, which imports torch
+LENGTH_PENALTY_HELP = (
+    "beam search ranks captions by log-probability / length**this (0: the raw sum, which favours short ones)"
+)
 BUNDLED_NOTE = (
     "note: no --ckpt_path given: captioning with the bundled model, which was trained on synthetic shapes only and "
     "describes coloured shapes, not photos"
@@ -162,6 +166,7 @@ def caption(argv: list[str]) -> int:
         parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
     )
     parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
+    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
     parser.add_argument("--batch-size", type=int, default=16, help="images captioned at once")
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
@@ -193,7 +198,7 @@ def caption(argv: list[str]) -> int:
     for error in errors:
         say(f"error: {error}", sys.stderr)
     failed = len(errors)
-    results = captioner.iter_captions(paths, args.beam_size, args.batch_size, args.max_len)
+    results = captioner.iter_captions(paths, args.beam_size, args.batch_size, args.max_len, args.length_penalty)
     for index, result in enumerate(results):
         progress.update()
         if isinstance(result, ImageError):
@@ -253,6 +258,7 @@ def evaluate(argv: list[str]) -> None:
     )
     parser.add_argument("--split", choices=("val", "test"), default="test", help="the split to caption and score")
     parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
+    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
     parser.add_argument(
@@ -282,7 +288,9 @@ def evaluate(argv: list[str]) -> None:
         if not batch:  # no readable image in the batch (each was reported)
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
-        generation = module.model.generate(**inputs, beam_size=args.beam_size, max_len=args.max_len)
+        generation = module.model.generate(
+            **inputs, beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty
+        )
         for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
             image_id = source.image_id(index) if hasattr(source, "image_id") else index
             hypotheses[image_id] = module.vocab.decode(tokens)

@@ -160,6 +160,13 @@ def test_every_option_is_described_with_its_default_and_the_checkpoint_is_spelle
         assert default in text, (command, default)
 
 
+def test_the_command_line_s_length_penalty_is_the_library_s():
+    from captioner import cli
+    from captioner.models import decoding
+
+    assert cli.LENGTH_PENALTY == decoding.LENGTH_PENALTY  # kept apart so that `captioner --help` imports no torch
+
+
 def test_the_bundled_model_says_what_it_is_when_no_checkpoint_is_given(tmp_path, capsys):
     image = tmp_path / "shapes.png"
     ShapesDataset("test", 1).load_image(0).save(image)
