@@ -122,6 +122,13 @@ class Captioner:
             missing = set(model.state_dict()) - set(weights)
             if any(not k.startswith("encoder.") for k in missing):
                 raise CaptionerError(f"{path}: decoder weights are incomplete")
+            if "encoder_fingerprint" in state:  # a fit checkpoint records which pretrained weights it was trained with
+                from captioner.data.features import encoder_fingerprint
+
+                if encoder_fingerprint(model.encoder) != state["encoder_fingerprint"]:
+                    raise CaptionerError(
+                        f"{path}: the pretrained encoder weights here are not those it was trained with"
+                    )
         return cls(model, Vocabulary(vocab), device, compile_decoder)
 
     def iter_captions(

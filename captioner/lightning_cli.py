@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
-from captioner.lit_module import CaptioningModule, gather
+from captioner.lit_module import ENCODER_FINGERPRINT, CaptioningModule, gather
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
@@ -187,8 +187,11 @@ def load_module(checkpoint: str) -> CaptioningModule:
     if not Path(checkpoint).is_file():
         raise CaptionerError(f"{checkpoint}: checkpoint not found")
     try:
-        # Every weight is in the checkpoint: don't fetch pretrained backbone weights only to overwrite them.
-        return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu", pretrained=False)
+        # A checkpoint that holds its encoder's weights needs no pretrained ones, only to overwrite them; one that left
+        # them out (a frozen pretrained encoder) has them rebuilt from their source.
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        options = {} if ENCODER_FINGERPRINT in state else {"pretrained": False}
+        return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu", **options)
     except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
         raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
     except (KeyError, RuntimeError, TypeError, ValueError) as err:

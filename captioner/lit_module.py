@@ -15,6 +15,7 @@ from captioner.metrics import bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
+ENCODER_FINGERPRINT = "encoder_fingerprint"  # in a checkpoint that leaves out its frozen pretrained encoder
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
 
 
@@ -98,15 +99,43 @@ class CaptioningModule(L.LightningModule):
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._decoded: list[tuple] = []  # (image index, words, references, attention masses, baselines, ceilings)
         self._resumed_rng_states: dict | None = None
+        self._fingerprint: str | None = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have."""
+        """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
+        Leave out a frozen pretrained encoder's weights, which loading rebuilds bit for bit from their source (the
+        fingerprint checks it): they would ride in every checkpoint unchanged."""
         checkpoint["rng_states"] = gather([rng_states()])
+        if self._encoder_rebuildable():
+            state = checkpoint["state_dict"]
+            for key in [key for key in state if key.startswith("model.encoder.")]:
+                del state[key]
+            checkpoint[ENCODER_FINGERPRINT] = self._encoder_fingerprint()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng_states" in checkpoint:  # put back in on_fit_start: only a resumed fit must continue the sequence
             states = checkpoint["rng_states"]
             self._resumed_rng_states = states[self.global_rank % len(states)]
+        if ENCODER_FINGERPRINT in checkpoint:  # the encoder's weights were left out: this module's are the same
+            if checkpoint[ENCODER_FINGERPRINT] != self._encoder_fingerprint():
+                name = self.model.encoder.name
+                raise CaptionerError(
+                    f"the {name} weights here are not those the checkpoint was trained with (it left out its frozen "
+                    "pretrained encoder's weights, to be rebuilt from their source): install the same"
+                )
+            encoder = {f"model.encoder.{key}": value for key, value in self.model.encoder.state_dict().items()}
+            checkpoint["state_dict"] = {**checkpoint["state_dict"], **encoder}
+
+    def _encoder_rebuildable(self) -> bool:
+        """A frozen encoder with pretrained weights: its weights are the backbone's own, unchanged by training."""
+        return self.model.encoder.frozen and bool(self.hparams.get("pretrained", True))
+
+    def _encoder_fingerprint(self) -> str:
+        if self._fingerprint is None:  # the frozen encoder does not change: hashed once
+            from captioner.data.features import encoder_fingerprint
+
+            self._fingerprint = encoder_fingerprint(self.model.encoder)
+        return self._fingerprint
 
     def on_fit_start(self) -> None:
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what

@@ -9,8 +9,10 @@ import torch
 import yaml
 from PIL import Image
 
+from captioner.api import Captioner
 from captioner.cli import main, run_lightning_cli
 from captioner.data.shapes import ShapesDataset
+from captioner.errors import CaptionerError
 from tests.conftest import tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -41,6 +43,8 @@ def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(t
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     vocab = state["hyper_parameters"]["vocab"]
     assert vocab[:4] == ["<pad>", "<start>", "<end>", "<unk>"] and "circle" in vocab
+    # The frozen pretrained encoder is left out, to be rebuilt bit for bit: its fingerprint says which weights it was
+    assert not any(key.startswith("model.encoder.") for key in state["state_dict"]) and state["encoder_fingerprint"]
     capfd.readouterr()
     main(["demo", "--ckpt_path", str(checkpoint), "--samples", "2", "--overlays", str(tmp_path / "overlays")])
     lines = capfd.readouterr().out.strip().splitlines()
@@ -97,6 +101,20 @@ def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path):
     result = run_cli(*command, "--overlays", str(taken))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: {taken}: cannot write overlays there: File exists"
+
+
+def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_model, tmp_path):
+    state = torch.load(Path(tiny_model).parent / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=True)
+    state["encoder_fingerprint"] = "0" * 64  # as if trained with other pretrained weights than those installed here
+    torch.save(state, tmp_path / "other.ckpt")
+    result = run_cli("demo", "--ckpt_path", str(tmp_path / "other.ckpt"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "error: the efficientnet_lite0 weights here are not those the checkpoint was trained with (it left out its "
+        "frozen pretrained encoder's weights, to be rebuilt from their source): install the same"
+    )
+    with pytest.raises(CaptionerError, match=r"other\.ckpt: the pretrained encoder weights here are not those"):
+        Captioner.load(tmp_path / "other.ckpt")
 
 
 def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
