@@ -8,6 +8,7 @@ import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import REPO
+from tests.images import photo
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -48,6 +49,26 @@ def test_notebook_executes_and_draws_what_was_committed(path):
     # Cell by cell, the figures committed are those the code draws now (a cell committed without figures may draw
     # some here: the last cell of attention_overlays shows your own checkpoint when `make demo` has written one)
     assert [n for n, c in zip(images(executed), committed, strict=True) if c] == [c for c in committed if c]
+
+
+def test_the_overlays_notebook_runs_on_your_checkpoint_and_photos_by_changing_its_parameters_cell_alone(
+    tiny_model, tmp_path
+):
+    path = REPO / "notebooks" / "attention_overlays.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code[0].metadata.get("tags") == ["parameters"]  # the first code cell, as papermill expects
+    photos = [tmp_path / "cat.jpg", tmp_path / "coffee.png"]
+    photo("chelsea").save(photos[0])
+    photo("coffee").save(photos[1])
+    code[0].source = f"checkpoint = {tiny_model!r}\nimages = {[str(p) for p in photos]!r}\nbeam_size = 2"
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": path.parent}})
+    executed = client.execute()
+    outputs = [o for cell in executed.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    printed = "".join(o.text for o in outputs if o.output_type == "stream" and o.name == "stdout")
+    assert printed.count("generated: ") == 2 and "reference:" not in printed
+    assert images(executed)[2] == 2  # one overlay figure per photo
 
 
 if __name__ == "__main__":  # make notebooks
