@@ -1,4 +1,5 @@
 import json
+import logging
 
 import pytest
 
@@ -8,7 +9,7 @@ from captioner.data.datamodules import CocoDataModule
 from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError
 from tests.conftest import REPO
-from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy
+from tests.datasets import CAPTIONS, write_coco, write_custom, write_karpathy, write_photos
 
 SMALL_MODEL = ["--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
 
@@ -141,3 +142,62 @@ def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
         CocoDataModule(data_dir=str(tmp_path), format="voc")
     with pytest.raises(ConfigError, match=r"dataset_coco\.json: Karpathy split file not found"):
         CocoDataModule(data_dir=str(tmp_path)).split("train")
+
+
+MULTILINGUAL = {
+    "astronaut.jpg": ["une astronaute en combinaison blanche devant un drapeau", "Космонавт улыбается в камеру"],
+    "chelsea.jpg": ["un chat tigré assis par terre", "一只猫坐在地板上"],
+    "coffee.jpg": ["un café crème sur une soucoupe", "一杯咖啡放在桌子上"],
+    "rocket.jpg": ["Ракета на стартовой площадке", "une fusée prête au lancement 🚀"],
+}
+
+
+def test_captions_in_any_language_train_evaluate_and_caption(tmp_path, monkeypatch, caplog):
+    """Accented, Cyrillic and Chinese captions, with an emoji and one truly empty caption: the vocabulary holds their
+    words ("café", Cyrillic words, Chinese characters), only the empty caption is skipped, and the results JSON holds
+    the vocabulary's words."""
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    for copy in range(3):
+        write_photos(tmp_path / "images" / f"set{copy}", MULTILINGUAL)
+        lines += [(f"set{copy}/{name}", c) for name, captions in MULTILINGUAL.items() for c in captions]
+    lines.append(("set0/coffee.jpg", " …!? "))  # no word in any script: the one caption to skip
+    (tmp_path / "captions.jsonl").write_text("".join(json.dumps({"image": i, "caption": c}) + "\n" for i, c in lines))
+    data = ["--data.init_args.val_fraction=0.3", "--data.init_args.test_fraction=0.2"]
+    checkpoint = str(tmp_path / "ckpt" / "best.ckpt")
+    with caplog.at_level(logging.WARNING):
+        main(fit_args(tmp_path, "configs/custom.yaml", *data, length="--trainer.max_epochs=1"))
+        evaluation = [
+            "--config",
+            str(REPO / "configs/custom.yaml"),
+            "--ckpt_path",
+            checkpoint,
+            "--output",
+            "evaluation",
+        ]
+        main(
+            [
+                "evaluate",
+                *evaluation,
+                *data,
+                f"--data.init_args.data_dir={tmp_path}",
+                "--data.init_args.min_word_count=1",
+            ]
+        )
+    (vocab_file,) = tmp_path.glob("vocab-*-tok2-*.json")
+    words = set(json.loads(vocab_file.read_text())["itos"])
+    assert "café" in words and words & {"猫", "咖", "啡"} and any(regex_cyrillic(word) for word in words)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert said.count("skipped 1 empty caption;") == 1 and "empty captions" not in said  # once, by its own split
+    assert "missing" not in said and "longer than" not in said and "lose the symbols 🚀" in said
+    scores = json.loads((tmp_path / "evaluation" / "metrics.json").read_text())
+    assert all(0.0 <= v <= 10.0 for v in scores.values())
+    results = json.loads((tmp_path / "evaluation" / "captions.json").read_text())
+    assert results and all(set(tokenize(r["caption"].replace("<unk>", ""))) <= words for r in results)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["caption", str(tmp_path / "images" / "set1"), "--ckpt_path", checkpoint])
+    assert exit_info.value.code == 0
+
+
+def regex_cyrillic(word: str) -> bool:
+    return any("\u0400" <= ch <= "\u04ff" for ch in word)
