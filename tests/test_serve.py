@@ -261,6 +261,8 @@ def test_the_page_in_a_browser(server, images, tmp_path):
 
         wide = tmp_path / "wide.png"  # a 2:1 picture: its overlays are 2:1 too, not squashed to squares
         ShapesDataset("test", 1, seed=1).load_image(0).resize((448, 224)).save(wide)
+        page.set_input_files("#file", str(tmp_path / "notes.txt"))  # clears the caption
+        page.wait_for_function("document.getElementById('caption').textContent === ''")
         page.set_input_files("#file", str(wide))
         page.wait_for_function("document.getElementById('caption').textContent.length > 0")
         sizes = page.evaluate("[...document.querySelectorAll('#big, #strip canvas')].map(c => [c.width, c.height])")
