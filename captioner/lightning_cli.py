@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_only
 
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
@@ -31,6 +32,12 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval Trainer\(log_every_n_steps.*")
 # Raised inside Lightning by newer torch versions; nothing a user of captioner can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+@rank_zero_only
+def say(message: str) -> None:
+    """One line on stderr, from the first process only."""
+    print(message, file=sys.stderr, flush=True)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -172,7 +179,7 @@ class CaptionerCLI(LightningCLI):
         dirpaths = [getattr(callback, "dirpath", None) for callback in self.trainer.checkpoint_callbacks]
         folders = sorted({str(Path(dirpath).resolve()) for dirpath in dirpaths if dirpath})
         if folders and not any((Path(folder) / "last.ckpt").is_file() for folder in folders):
-            rank_zero_info(f"no last.ckpt in {', '.join(folders)}: starting from scratch")
+            say(f"no last.ckpt in {', '.join(folders)}: starting from scratch")
             config["ckpt_path"] = None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
