@@ -12,7 +12,8 @@ from captioner.data.shapes import attention_ceiling, attention_correctness
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError, ConfigError
 from captioner.metrics import bleu, cider
-from captioner.models.show_attend_tell import ShowAttendTell
+from captioner.models.show_attend_tell import ShowAttendTell, self_critical_loss
+from captioner.scst import SelfCritical, check_options, initial_weights
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
 ENCODER_FINGERPRINT = "encoder_fingerprint"  # in a checkpoint that leaves out its frozen pretrained encoder
@@ -62,6 +63,14 @@ class CaptioningModule(L.LightningModule):
         lr_patience: plateau patience, in validation epochs.
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
+        objective: "xe", cross-entropy on the reference captions (the paper's), or "scst", self-critical sequence
+            training: REINFORCE with the CIDEr-D of captions the model samples as their reward (`captioner.scst`).
+            Validation decodes greedily and scores with the corpus metrics either way.
+        init_from: a checkpoint (or exported model) whose weights start this run, with a fresh optimizer and schedule:
+            how an SCST run starts from a cross-entropy one. Not `--ckpt_path`, which resumes a run.
+        scst_samples: K, the captions drawn per image by SCST.
+        scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
+            of its greedy caption (Rennie et al. 2017).
         **model_options: the model's hyper-parameters, see `ShowAttendTell` and `AttentionDecoder`.
     """
 
@@ -78,6 +87,10 @@ class CaptioningModule(L.LightningModule):
         lr_patience: int = 2,
         max_caption_len: int = 30,
         beam_size: int = 3,
+        objective: str = "xe",
+        init_from: str | None = None,
+        scst_samples: int = 5,
+        scst_baseline: str = "others",
         **model_options,
     ):
         super().__init__()
@@ -87,6 +100,7 @@ class CaptioningModule(L.LightningModule):
             raise ConfigError(f"unknown lr_schedule {lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if lr_monitor not in LR_MONITORS:
             raise ConfigError(f"unknown lr_monitor {lr_monitor!r}; choose one of {', '.join(LR_MONITORS)}")
+        check_options(objective, scst_samples, scst_baseline, model_options.get("attention_mode", "soft"))
         self.save_hyperparameters()
         self.vocab = Vocabulary(vocab)
         self.model = ShowAttendTell(
@@ -100,6 +114,7 @@ class CaptioningModule(L.LightningModule):
         self._decoded: list[tuple] = []  # (image index, words, references, attention masses, baselines, ceilings)
         self._resumed_rng_states: dict | None = None
         self._fingerprint: str | None = None
+        self._self_critical: SelfCritical | None = None  # the training split's rewards, built when a fit starts
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -137,33 +152,88 @@ class CaptioningModule(L.LightningModule):
             self._fingerprint = encoder_fingerprint(self.model.encoder)
         return self._fingerprint
 
+    def setup(self, stage: str) -> None:
+        # Before Lightning restores a checkpoint: a resumed run then gets its own weights, not init_from's.
+        if stage == "fit" and self.hparams.init_from:
+            self._initialise(self.hparams.init_from)
+
+    def _initialise(self, path: str) -> None:
+        """Start from `path`'s weights (`init_from`): same vocabulary, same architecture, or a one-line error."""
+        weights, fingerprint = initial_weights(path, self.vocab.to_list())
+        if not any(key.startswith("encoder.") for key in weights):  # a frozen pretrained encoder, left out
+            if fingerprint is not None and fingerprint != self._encoder_fingerprint():
+                raise CaptionerError(f"--model.init_from {path}: trained with other {self.model.encoder.name} weights")
+            weights = {**{f"encoder.{k}": v for k, v in self.model.encoder.state_dict().items()}, **weights}
+        try:
+            self.model.load_state_dict(weights)
+        except RuntimeError as err:  # torch's first line is a header; the next names the first misfit
+            detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))[:200]
+            raise CaptionerError(f"--model.init_from {path}: its model does not fit the config's ({detail})") from None
+
     def on_fit_start(self) -> None:
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
         # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
         if self._resumed_rng_states is not None:
             set_rng_states(self._resumed_rng_states)
             self._resumed_rng_states = None
+        if self.hparams.objective == "scst":  # document frequencies and references of the whole training split, once
+            datamodule = self.trainer.datamodule
+            if datamodule is None or "train" not in getattr(datamodule, "datasets", {}):
+                raise ConfigError("objective scst needs captioner's datamodule: its training split's references")
+            references = datamodule.datasets["train"].references
+            self._self_critical = SelfCritical(references, self.hparams.scst_baseline)
 
     def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
         images, annotations = batch.get("images"), batch.get("annotations")
         loss = self.model(batch["captions"], batch["lengths"], images=images, annotations=annotations)
-        if not torch.isfinite(loss.loss):  # stop at once, rather than train and log NaN to the end
-            raise CaptionerError(
-                f"{stage}/loss is {loss.loss.item()} at epoch {self.current_epoch}, step {self.global_step}: the model "
-                "overflowed (annotations too large for the decoder, a learning rate too high, or float16 precision: "
-                "try --model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
-            )
         B = batch["captions"].size(0)
-        self.log(f"{stage}/loss", loss.loss, prog_bar=True, batch_size=B)
-        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
-            self.log("train/loss_epoch", loss.loss, on_step=False, on_epoch=True, batch_size=B, sync_dist=True)
+        self._log_loss(loss.loss, stage, B)
         self.log(f"{stage}/nll_per_word", loss.nll_per_word, batch_size=B)
         self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
         return loss.loss
 
+    def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
+        if not torch.isfinite(loss):  # stop at once, rather than train and log NaN to the end
+            raise CaptionerError(
+                f"{stage}/loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: the model "
+                "overflowed (annotations too large for the decoder, a learning rate too high, or float16 precision: "
+                "try --model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
+            )
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)
+        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
+            self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
+
+    def _self_critical_step(self, batch: dict) -> torch.Tensor:
+        """SCST: K captions drawn per image, each rewarded with its CIDEr-D, against a baseline (`captioner.scst`)."""
+        hp, critic = self.hparams, self._self_critical
+        annotations = self.model.annotate(batch.get("images"), batch.get("annotations"))  # (B,P,E)
+        samples = self.model.sample(annotations, hp.scst_samples, hp.max_caption_len)  # (B,K,T) each
+        images = batch["index"].tolist()
+        drawn = [[self.vocab.decode_tokens(tokens) for tokens in image] for image in samples.tokens.tolist()]
+        rewards = critic.rewards(drawn, images).to(self.device)  # (B,K)
+        greedy = None
+        if hp.scst_baseline == "greedy":  # the image's caption at test time: greedy, without dropout
+            self.model.eval()
+            try:
+                generation = self.model.generate(annotations=annotations.detach(), max_len=hp.max_caption_len)
+            finally:
+                self.model.train()
+            words = [[self.vocab.decode_tokens(tokens)] for tokens in generation.tokens.tolist()]
+            greedy = critic.rewards(words, images)[:, 0].to(self.device)  # (B,)
+        baselines = critic.baselines(rewards, greedy)  # (B,K)
+        loss = self_critical_loss(samples.log_probs, samples.mask, rewards, baselines)
+        B = len(images)
+        self._log_loss(loss, "train", B)
+        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=B)
+        self.log("train/baseline", baselines.mean(), batch_size=B)
+        self.log("train/beat_baseline", (rewards > baselines).float().mean(), batch_size=B)
+        return loss
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if not batch:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
             return self._skipped_step()
+        if self.hparams.objective == "scst":
+            return self._self_critical_step(batch)
         return self._shared_step(batch, "train")
 
     def _skipped_step(self) -> torch.Tensor | None:

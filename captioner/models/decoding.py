@@ -212,3 +212,57 @@ def beam_search(
         out_alphas[:, t] = record_alphas[t][row]
         row = record_parents[t][row]
     return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas)
+
+
+@dataclass
+class Samples:
+    """Captions drawn from the model, K per image (self-critical training).
+
+    tokens: (B,K,T) word ids after <start>, up to and including <end> when it was drawn, then <pad>.
+    log_probs: (B,K,T) log p(w_t | w_<t, image) of each drawn word, 0 after the end; differentiable.
+    mask: (B,K,T) the real words, <end> included.
+    """
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    mask: torch.Tensor
+
+
+def sample_captions(
+    decoder: AttentionDecoder,
+    annotations: torch.Tensor,
+    samples: int,
+    start_index: int,
+    end_index: int,
+    max_len: int = 30,
+    pad_index: int = 0,
+) -> Samples:
+    """Draw `samples` captions per image from the model's word distribution (temperature 1), keeping the graph of
+    each drawn word's log-probability. Batched as beam search is: the K captions of an image are its K hypotheses, and
+    attend over its annotations without copying them. Every caption runs until all have drawn <end> (or max_len)."""
+    if samples < 1 or max_len < 1:
+        raise ConfigError(f"samples and max_len must be >= 1, got {samples} and {max_len}")
+    B, K = annotations.size(0), samples
+    keys = decoder.prepare(annotations)  # (B,P,K')
+    h, c = (x.repeat_interleave(K, dim=0) for x in decoder.init_state(annotations))  # (B*K,D) each
+    tokens = torch.full((B * K,), start_index, dtype=torch.long, device=annotations.device)
+    finished = torch.zeros(B * K, dtype=torch.bool, device=annotations.device)
+    never = torch.tensor([pad_index, start_index], device=annotations.device)  # words never drawn
+    drawn, log_probs, real = [], [], []
+    for _ in range(max_len):
+        logits, (h, c), _ = decoder.step(tokens, (h, c), annotations, keys)  # (B*K,V)
+        log_p = F.log_softmax(logits.float().index_fill(1, never, float("-inf")), dim=-1)  # (B*K,V)
+        word = torch.multinomial(log_p.detach().exp(), 1).squeeze(1)  # (B*K,)
+        word = word.masked_fill(finished, pad_index)
+        chosen = log_p.gather(1, word.masked_fill(finished, end_index).unsqueeze(1)).squeeze(1)  # finite everywhere
+        drawn.append(word)
+        log_probs.append(chosen.masked_fill(finished, 0.0))
+        real.append(~finished)
+        finished = finished | (word == end_index)
+        tokens = word
+        if bool(finished.all()):
+            break
+    shape = (B, K, len(drawn))
+    return Samples(
+        torch.stack(drawn, 1).view(shape), torch.stack(log_probs, 1).view(shape), torch.stack(real, 1).view(shape)
+    )

@@ -11,7 +11,14 @@ from torch import nn
 
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import LENGTH_PENALTY, Generation, beam_search, greedy_search
+from captioner.models.decoding import (
+    LENGTH_PENALTY,
+    Generation,
+    Samples,
+    beam_search,
+    greedy_search,
+    sample_captions,
+)
 from captioner.models.encoder import Encoder
 
 
@@ -74,6 +81,25 @@ def hard_attention_terms(
     advantage = (log_likelihood - baseline).detach()  # (B,)
     per_caption = reinforce_weight * advantage * (log_p_s * mask).sum(1) + entropy_weight * (entropy * mask).sum(1)
     return -per_caption.mean()
+
+
+def self_critical_loss(
+    log_probs: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, baselines: torch.Tensor
+) -> torch.Tensor:
+    """Self-critical sequence training's objective (Rennie et al. 2017), averaged over the images:
+
+        - 1/K sum_k (r_k - b_k) sum_t log p(w^k_t | w^k_<t, I)
+
+    Its gradient is REINFORCE's with the baseline b: (r - b) is held constant.
+
+    Args:
+        log_probs: (B,K,T) log-probability of each drawn word (`Samples.log_probs`).
+        mask: (B,K,T) the real words, <end> included.
+        rewards: (B,K) r_k, the CIDEr-D of each sampled caption.
+        baselines: (B,K) b_k: the mean reward of the image's other samples (Luo 2020), or its greedy caption's.
+    """
+    advantage = (rewards - baselines).detach()  # (B,K)
+    return -(advantage * (log_probs * mask).sum(-1)).mean()
 
 
 class ShowAttendTell(nn.Module):
@@ -186,6 +212,11 @@ class ShowAttendTell(nn.Module):
             dist.all_reduce(stats)
         total, count = stats
         b.copy_(torch.where(count > 0, 0.9 * b + 0.1 * total / count.clamp_min(1), b))  # no host sync
+
+    def sample(self, annotations: torch.Tensor, samples: int, max_len: int = 30) -> Samples:
+        """`samples` captions per image drawn from the model (differentiable log-probabilities, see `Samples`)."""
+        special = {"start_index": self.start_index, "end_index": self.end_index, "pad_index": self.pad_index}
+        return sample_captions(self.decoder, annotations, samples, max_len=max_len, **special)
 
     @torch.no_grad()
     def generate(

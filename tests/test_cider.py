@@ -1,0 +1,54 @@
+"""The self-critical reward's CIDEr-D against pycocoevalcap's, with the same document frequencies and references."""
+
+import random
+
+import pytest
+from pycocoevalcap.cider.cider_scorer import CiderScorer
+
+from captioner.cider import CiderD
+from captioner.data.shapes import ShapesDataset
+from captioner.data.vocab import tokenize
+
+
+def pycocoevalcap_scores(captions: list[list[str]], references: list[list[list[str]]]) -> list[float]:
+    """pycocoevalcap's per-caption CIDEr-D, its document frequencies taken from these references."""
+    scorer = CiderScorer(n=4, sigma=6.0)
+    for caption, image_references in zip(captions, references, strict=True):
+        scorer += (" ".join(caption), [" ".join(reference) for reference in image_references])
+    scorer.compute_doc_freq()
+    return scorer.compute_cider()
+
+
+def test_cider_d_equals_pycocoevalcap_with_the_same_document_frequencies():
+    split = ShapesDataset("val", 60)
+    references = [[tokenize(caption) for caption in split.captions(i)] for i in range(len(split))]
+    rng = random.Random(0)
+    captions = []
+    for i, image_references in enumerate(references):  # exact, shortened, shuffled, another image's, empty
+        caption = list(rng.choice(image_references))
+        kind = i % 5
+        if kind == 1:
+            caption = caption[: rng.randrange(1, len(caption))]
+        elif kind == 2:
+            rng.shuffle(caption)
+        elif kind == 3:
+            caption = list(references[(i + 1) % len(references)][0])
+        elif kind == 4:
+            caption = []
+        captions.append(caption)
+    expected = pycocoevalcap_scores(captions, references)
+    scorer = CiderD(references)
+    got = [scorer(caption, i) for i, caption in enumerate(captions)]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert max(got) > 3 and min(got) == 0.0  # the cases differ: the check is not of zeros
+
+
+def test_document_frequencies_come_from_the_corpus_not_from_the_captions_scored():
+    """Scoring one image alone with pycocoevalcap gives every n-gram the same idf; the corpus's df differ."""
+    references = [[["a", "red", "circle"]], [["a", "blue", "square"]], [["a", "red", "square"]]]
+    scorer = CiderD(references)
+    assert scorer(["a", "red", "circle"], 0) == pytest.approx(
+        pycocoevalcap_scores([["a", "red", "circle"]] * 3, references)[0]
+    )
+    alone = pycocoevalcap_scores([["a", "red", "circle"]], references[:1])[0]  # log(1) - log(1): every idf is 0
+    assert alone == 0.0 and scorer(["a", "red", "circle"], 0) > 1
