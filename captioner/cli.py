@@ -247,7 +247,8 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
 
 
 def evaluate(argv: list[str]) -> None:
-    """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap)."""
+    """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap), the share of
+    captions that are one of their references word for word, and on shapes attention correctness and its ceiling."""
     parser = _parser(
         evaluate,
         epilog="Options of the data, as in `captioner fit`, override the config's: --data.init_args.data_dir=...",
@@ -272,6 +273,7 @@ def evaluate(argv: list[str]) -> None:
     import torch
     from tqdm import tqdm
 
+    from captioner.data.shapes import attention_ceiling, attention_correctness
     from captioner.data.vocab import tokenize
     from captioner.lightning_cli import load_module
     from captioner.metrics import coco_caption_scores
@@ -284,6 +286,7 @@ def evaluate(argv: list[str]) -> None:
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}  # image id -> the caption's text; -> its references' texts
+    exact, masses, ceilings = [], [], []  # per image: a reference word for word?; per object word (shapes)
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if not batch:  # no readable image in the batch (each was reported)
             continue
@@ -291,10 +294,17 @@ def evaluate(argv: list[str]) -> None:
         generation = module.model.generate(
             **inputs, beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty
         )
-        for index, tokens in zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True):
+        for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
             image_id = source.image_id(index) if hasattr(source, "image_id") else index
             hypotheses[image_id] = module.vocab.decode(tokens)
             references[image_id] = source.captions(index)
+            words = module.vocab.decode_tokens(tokens)
+            exact.append(words in batch["references"][i])
+            if batch["objects"][i] is not None:  # a dataset with object boxes (shapes): where the words looked
+                size, grid, objects = batch["canvas"][i], module.model.encoder.grid_hw, batch["objects"][i]
+                alphas = generation.alphas[i].cpu()
+                masses += attention_correctness(words, alphas, grid, objects, (size, size))[0]
+                ceilings += attention_ceiling(words, grid, objects, (size, size))
     if args.ptb_tokenizer:
         scores = coco_caption_scores(hypotheses, references)
     else:  # the words that the vocabulary, training and validation see, in any script
@@ -302,6 +312,10 @@ def evaluate(argv: list[str]) -> None:
         scores = coco_caption_scores(
             words, {k: [" ".join(tokenize(c)) for c in v] for k, v in references.items()}, tokenized=True
         )
+    scores["exact_reference"] = sum(exact) / max(len(exact), 1)  # captions that are one of their references
+    if masses:
+        scores["attention_correctness"] = sum(masses) / len(masses)
+        scores["attention_ceiling"] = sum(ceilings) / len(ceilings)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "metrics.json").write_text(json.dumps(scores, indent=1))

@@ -77,6 +77,24 @@ def test_ddp_scores_the_whole_split_predicts_each_image_once_and_skips_a_rank_s_
     assert expected > 0.05  # a BLEU that half the split would change (0.0 would match whatever was scored)
     assert abs(logged[0] - expected) <= 1e-6, (logged, expected)
 
+    # Self-critical training from that checkpoint, in two processes: each rewards the captions of its own images,
+    # and the corpus metrics are gathered as in cross-entropy training.
+    scst = ["--model.objective=scst", f"--model.init_from={last}", "--data.init_args.train_captions=random"]
+    steps = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4"]
+    captioner("fit", *tiny_fit_args(tmp_path / "scst", *DATA, *scst, *steps, f"--data.init_args.data_dir={data}"), *DDP)
+    scst_last = tmp_path / "scst" / "checkpoints" / "last.ckpt"
+    rows = list(csv.DictReader(next((tmp_path / "scst" / "logs").rglob("metrics.csv")).open()))
+    assert [int(row["epoch"]) for row in rows if row.get("train/loss_epoch")] == [0]  # it trained
+    logged = [float(row["val/cider"]) for row in rows if row.get("val/cider")]
+    single = run_lightning_cli(
+        [
+            "validate",
+            *tiny_fit_args(tmp_path / "scst", *DATA, f"--data.init_args.data_dir={data}"),
+            f"--ckpt_path={scst_last}",
+        ]
+    )
+    assert logged and abs(logged[-1] - float(single.trainer.callback_metrics["val/cider"])) <= 1e-6
+
     output = tmp_path / "predictions.jsonl"
     captioner("predict", *tiny_fit_args(tmp_path, *DATA), *DDP, f"--ckpt_path={last}", f"--predictions.output={output}")
     records = [json.loads(line) for line in output.read_text().splitlines()]
