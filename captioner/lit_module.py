@@ -67,7 +67,8 @@ class CaptioningModule(L.LightningModule):
             training: REINFORCE with the CIDEr-D of captions the model samples as their reward (`captioner.scst`).
             Validation decodes greedily and scores with the corpus metrics either way.
         init_from: a checkpoint (or exported model) whose weights start this run, with a fresh optimizer and schedule:
-            how an SCST run starts from a cross-entropy one. Not `--ckpt_path`, which resumes a run.
+            how an SCST run starts from a cross-entropy one. Not `--ckpt_path`, which resumes a run (a resumed run
+            reads init_from too, then its own checkpoint over it).
         scst_samples: K, the captions drawn per image by SCST.
         scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
             of its greedy caption (Rennie et al. 2017).

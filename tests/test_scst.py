@@ -93,6 +93,10 @@ def test_an_scst_run_starts_from_a_cross_entropy_checkpoint_resumes_and_tests_ca
     assert {"train/reward", "train/baseline", "train/beat_baseline", "val/cider", "val/bleu4"} <= set(metrics)
     assert 0.0 <= float(metrics["train/beat_baseline"]) <= 1.0 and float(metrics["train/reward"]) >= 0.0
 
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    again = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, *scst, "--ckpt_path=last")])  # nothing left to train
+    restored = again.trainer.lightning_module.state_dict()
+    assert all(torch.equal(v, restored[k]) for k, v in last.items())  # the run's own weights, not init_from's
     resumed = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, *scst, "--trainer.max_epochs=2", "--ckpt_path=last")])
     assert resumed.trainer.global_step == 2 * fit.trainer.global_step  # continued, not started again
 
