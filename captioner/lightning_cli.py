@@ -153,8 +153,28 @@ class PredictionWriter(BasePredictionWriter):
         print(f"wrote {self.output}")
 
 
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+
+
+def set_matmul_precision(choice: str) -> None:
+    """`--float32_matmul_precision`: torch.set_float32_matmul_precision, for this run only (the CLI's choice, never
+    set by importing captioner). "auto" is "high" where CUDA is present, TF32 matmuls on Ampere and later GPUs (what
+    Lightning's warning asks for), and leaves float32 as it is on a machine without CUDA."""
+    if choice == "auto":
+        if not torch.cuda.is_available():
+            return
+        choice = "high"
+    torch.set_float32_matmul_precision(choice)
+
+
 class CaptionerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--float32_matmul_precision",
+            default="auto",
+            choices=MATMUL_PRECISIONS,
+            help="float32 matrix products on a GPU: auto (high on CUDA: TF32), highest (full float32), high, medium",
+        )
         parser.add_lightning_class_args(PredictionWriter, "predictions")
         # The vocabulary is decided by the data (its training split), once, and handed to the model.
         parser.link_arguments("data.vocab_tokens", "model.vocab", apply_on="instantiate")
@@ -169,6 +189,10 @@ class CaptionerCLI(LightningCLI):
                 "checkpoint.enable_version_counter": False,
             }
         )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        set_matmul_precision(config.get("float32_matmul_precision", "auto"))
 
     def before_fit(self) -> None:
         """`--ckpt_path last` with no last.ckpt yet, as at a preemptible job's first start: one line says so and the

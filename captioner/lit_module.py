@@ -16,6 +16,7 @@ from captioner.models.show_attend_tell import ShowAttendTell, self_critical_loss
 from captioner.scst import SelfCritical, check_options, initial_weights
 
 LR_SCHEDULES = ("plateau", "cosine", "none")
+COMPILE_CHOICES = ("auto", "true", "false")
 ENCODER_FINGERPRINT = "encoder_fingerprint"  # in a checkpoint that leaves out its frozen pretrained encoder
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
 
@@ -72,6 +73,12 @@ class CaptioningModule(L.LightningModule):
         scst_samples: K, the captions drawn per image by SCST.
         scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
             of its greedy caption (Rennie et al. 2017).
+        compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
+            batch runs the batch's steps (padded to `bucket_steps`, the padding masked), nothing syncs
+            with the host, and the loss (forward and backward) is compiled by torch.compile, with
+            mode="reduce-overhead" (CUDA graphs) on CUDA. The first steps of each caption length compile (tens of
+            seconds). Off: the shrinking batch (each step runs the captions still going), fastest on a CPU. The loss,
+            logged values and checkpoints are the same either way (docs/benchmarks.md, "On a GPU").
         **model_options: the model's hyper-parameters, see `ShowAttendTell` and `AttentionDecoder`.
     """
 
@@ -92,6 +99,7 @@ class CaptioningModule(L.LightningModule):
         init_from: str | None = None,
         scst_samples: int = 5,
         scst_baseline: str = "others",
+        compile: bool | str = "auto",
         **model_options,
     ):
         super().__init__()
@@ -102,6 +110,8 @@ class CaptioningModule(L.LightningModule):
         if lr_monitor not in LR_MONITORS:
             raise ConfigError(f"unknown lr_monitor {lr_monitor!r}; choose one of {', '.join(LR_MONITORS)}")
         check_options(objective, scst_samples, scst_baseline, model_options.get("attention_mode", "soft"))
+        if str(compile).lower() not in COMPILE_CHOICES:
+            raise ConfigError(f"compile must be auto, true or false, got {compile!r}")
         self.save_hyperparameters()
         self.vocab = Vocabulary(vocab)
         self.model = ShowAttendTell(
@@ -171,7 +181,15 @@ class CaptioningModule(L.LightningModule):
             detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))[:200]
             raise CaptionerError(f"--model.init_from {path}: its model does not fit the config's ({detail})") from None
 
+    def compiles_step(self) -> bool:
+        """Whether training uses the compiled fixed-shape step (`compile`): auto means on CUDA."""
+        choice = str(self.hparams.get("compile", "auto")).lower()
+        return choice == "true" or (choice == "auto" and self.device.type == "cuda")
+
     def on_fit_start(self) -> None:
+        if self.compiles_step() and not self.model.fixed_shape:
+            # On CUDA, reduce-overhead: the step's kernels replayed as CUDA graphs (one launch instead of ~1,400)
+            self.model.compile_step(mode="reduce-overhead" if self.device.type == "cuda" else None)
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
         # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
         if self._resumed_rng_states is not None:

@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
 from captioner import Captioner
@@ -51,6 +52,26 @@ def plain(model) -> float:
     named = sum(shape in r.tokens and color in r.tokens for (shape, color, _), r in zip(cases, results, strict=True))
     print(f"\nbundled model, {len(cases)} plainly drawn shapes, colour and shape named: {named}")  # with -s
     return named / len(cases)
+
+
+def test_sync_free_decoding_writes_the_same_captions_on_its_test_split(model):
+    """The decoders' fixed-shape form (the default on CUDA) against the shrinking one (the CPU's), token for token."""
+    test = ShapesDataset("test", 500, seed=0)
+    transform = model.model.encoder.preprocessing.transforms()
+    with torch.inference_mode():
+        annotations = torch.cat(
+            [
+                model.model.annotate(torch.stack([transform(test.load_image(i)) for i in range(start, start + 100)]))
+                for start in range(0, len(test), 100)
+            ]
+        )  # (500,P,E)
+        for beam_size in (1, 3):
+            want = model.model.generate(annotations=annotations, beam_size=beam_size, sync_free=False)
+            got = model.model.generate(annotations=annotations, beam_size=beam_size, sync_free=True)
+            assert torch.equal(got.tokens, want.tokens), beam_size
+            assert torch.equal(got.lengths, want.lengths)
+            assert torch.allclose(got.scores, want.scores, atol=1e-4)
+            assert torch.allclose(got.alphas, want.alphas, atol=1e-5)
 
 
 # The targets of issue #37, and what this model measured on this machine.

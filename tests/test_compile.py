@@ -23,3 +23,84 @@ def test_a_compiled_decoder_captions_as_the_eager_one(tiny_model):
         assert [r.text for r in got] == [r.text for r in want]
         for a, b in zip(got, want, strict=True):
             assert abs(a.score - b.score) < 1e-4 and torch.allclose(a.alphas, b.alphas, atol=1e-5)
+
+
+# The compiled training step (`--model.compile`, issue #45): on by default on CUDA; here forced on the CPU.
+
+
+def logged(root) -> dict[str, float]:
+    import csv
+
+    with next((root / "logs").rglob("metrics.csv")).open() as file:
+        rows = list(csv.DictReader(file))
+    return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("aot_eager", id="aot_eager"),  # Dynamo's capture in Lightning's loop, without code generation
+        pytest.param("inductor", id="inductor", marks=pytest.mark.slow),  # as on a GPU; minutes of C++ compiling
+    ],
+)
+def test_a_compiled_fit_logs_what_the_plain_fit_logs_and_their_checkpoints_are_interchangeable(
+    tmp_path, backend, monkeypatch
+):
+    from captioner.cli import run_lightning_cli
+    from captioner.models.show_attend_tell import ShowAttendTell
+    from tests.conftest import tiny_fit_args
+
+    compile_step = ShowAttendTell.compile_step
+    monkeypatch.setattr(ShowAttendTell, "compile_step", lambda self, **o: compile_step(self, **o, backend=backend))
+    torch._dynamo.reset()
+    data = f"--data.init_args.data_dir={tmp_path / 'data'}"
+    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
+    precision = torch.get_float32_matmul_precision()
+    try:
+        run_lightning_cli(["fit", *tiny_fit_args(plain, data, "--model.dropout=0", "--model.compile=false")])
+        assert torch.get_float32_matmul_precision() == precision  # auto: unchanged without CUDA
+        cli = run_lightning_cli(
+            [
+                "fit",
+                *tiny_fit_args(
+                    compiled, data, "--model.dropout=0", "--model.compile=true", "--float32_matmul_precision=high"
+                ),
+            ]
+        )
+        assert torch.get_float32_matmul_precision() == "high"  # the CLI's choice, when asked for
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert cli.model.model.fixed_shape and "_compiled_loss" in cli.model.model.__dict__  # the step that ran
+    want, got = logged(plain), logged(compiled)
+    for key in ("val/loss", "train/loss_epoch", "val/nll_per_word"):
+        assert got[key] == pytest.approx(want[key], rel=1e-3), key
+    # A checkpoint trained compiled captions uncompiled, as one trained uncompiled does.
+    images = [ShapesDataset("test", 3, seed=0).load_image(i) for i in range(3)]
+    captions = {
+        name: [r.text for r in Captioner.load(str(root / "checkpoints" / "best.ckpt")).caption(images)]
+        for name, root in (("plain", plain), ("compiled", compiled))
+    }
+    assert captions["compiled"] == captions["plain"]
+    # And one trained uncompiled goes on training compiled.
+    resumed = run_lightning_cli(
+        [
+            "fit",
+            *tiny_fit_args(
+                plain, data, "--model.dropout=0", "--model.compile=true", "--trainer.max_epochs=2", "--ckpt_path=last"
+            ),
+        ]
+    )
+    assert resumed.trainer.current_epoch == 2 and resumed.model.model.fixed_shape
+
+
+def test_the_compile_option_is_auto_true_or_false():
+    from captioner.errors import ConfigError
+    from captioner.lit_module import CaptioningModule
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a"]
+    options = {"pretrained": False, "embed_dim": 8, "decoder_dim": 8, "attention_dim": 8}
+    assert not CaptioningModule(vocab, **options).compiles_step()  # auto, on a CPU
+    assert CaptioningModule(vocab, compile=True, **options).compiles_step()
+    assert not CaptioningModule(vocab, compile="false", **options).compiles_step()
+    with pytest.raises(ConfigError, match="compile must be auto, true or false"):
+        CaptioningModule(vocab, compile="sometimes", **options)

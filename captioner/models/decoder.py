@@ -107,13 +107,18 @@ class AttentionDecoder(nn.Module):
         return logits, state, alpha
 
     def attend(
-        self, h: torch.Tensor, annotations: torch.Tensor, keys: torch.Tensor, sample: bool = False
+        self,
+        h: torch.Tensor,
+        annotations: torch.Tensor,
+        keys: torch.Tensor,
+        sample: bool = False,
+        location: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The first half of a step, from h_{t-1} (N,D): the gated context z_t (N,E) and alpha_t (N,P).
 
         Soft attention (eq. 13) takes the expected context sum_i alpha_ti a_i. With `sample`, hard attention (§4.1,
-        eq. 8-9): a location s_t ~ Multinoulli(alpha_t) is drawn and the context is its one annotation a_{s_t}; the
-        locations (N,) are returned third.
+        eq. 8-9): a location s_t ~ Multinoulli(alpha_t) is drawn (or `location` (N,) is taken as drawn) and the
+        context is its one annotation a_{s_t}; the locations (N,) are returned third.
         """
         B, P, E = annotations.shape
         h3 = h.view(B, -1, h.size(-1))  # (B,G,D): the G hypotheses of each image
@@ -121,7 +126,8 @@ class AttentionDecoder(nn.Module):
         context, alpha = context.view(-1, E), alpha.view(-1, P)  # (N,E), (N,P)
         weights = alpha
         if sample:
-            location = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (N,)
+            if location is None:
+                location = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (N,)
             weights = F.one_hot(location, P).to(alpha.dtype)  # (N,P): s_t as a one-hot vector
             context = torch.bmm(weights.view(B, -1, P), annotations).view(-1, E)  # a_{s_t}
         if self.position is not None:
@@ -146,15 +152,22 @@ class AttentionDecoder(nn.Module):
         return self.L_o(self.dropout(y + self.L_h(h) + self.L_z(context)))
 
     def forward(
-        self, annotations: torch.Tensor, captions: torch.Tensor, lengths: torch.Tensor, sample: bool = False
+        self,
+        annotations: torch.Tensor,
+        captions: torch.Tensor,
+        lengths: torch.Tensor,
+        sample: bool = False,
+        locations: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Teacher forcing.
+        """Teacher forcing, on the captions still going at each step (the shrinking batch: fewest FLOPs, the CPU's
+        path; `forward_fixed` is the GPU's).
 
         Args:
             annotations: (B,P,E).
             captions: (B,T) token ids, `<start> w1 ... wn <end>` then padding.
             lengths: (B,) real length of each caption, <start> and <end> included.
             sample: hard attention: each step attends to one sampled location (`attend`).
+            locations: with `sample`, (B,T-1) locations to take as drawn instead of drawing them (tests).
 
         Returns:
             logits (B,T-1,V) predicting captions[:, 1:], and alphas (B,T-1,P); both are zero at padded steps, where
@@ -165,6 +178,7 @@ class AttentionDecoder(nn.Module):
         steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
         order = steps.argsort(descending=True)
         steps, annotations, inputs = steps[order], annotations[order], captions[order]
+        given = locations[order] if locations is not None else None
         keys = self.prepare(annotations)  # (B,P,K)
         h, c = self.init_state(annotations)  # (B,D) each
         T = int(steps[0])
@@ -174,7 +188,8 @@ class AttentionDecoder(nn.Module):
             bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
             if bt < h.size(0):  # shrink only when a caption ends: a slice costs a full-size zero-fill in backward
                 h, c, memory, keys = h[:bt], c[:bt], memory[:bt], keys[:bt]
-            context, alpha, *location = self.attend(h, memory, keys, sample)
+            location = given[:bt, t] if sample and given is not None else None
+            context, alpha, *location = self.attend(h, memory, keys, sample, location)
             y, (h, c) = self.recur(inputs[:bt, t], context, (h, c))
             rows.append((y, h, context, alpha, *location))
         # The output layer once, on the real words of all steps: larger matmuls than one call per step. Then each
@@ -191,6 +206,38 @@ class AttentionDecoder(nn.Module):
             outputs.append(steps.new_zeros(T, B))
             outputs[-1][real] = location[0]  # (B,T)
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
+
+    def forward_fixed(
+        self,
+        annotations: torch.Tensor,
+        captions: torch.Tensor,
+        sample: bool = False,
+        locations: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Teacher forcing with fixed shapes, the GPU's path: every caption runs all T-1 steps, in the batch's order.
+        Padded steps are computed, and their alphas and locations zeroed; their logits are left as computed (the loss
+        ignores them). Nothing depends on the data but the values: no host syncs, one shape per (B, T), so the step
+        can be compiled whole and captured as a CUDA graph. On real words it computes what `forward` computes: the
+        LSTM fed a padding word after a caption's end changes no earlier step.
+
+        Args and returns as `forward`, without `lengths`: the real words are `captions[:, 1:] != pad`.
+        """
+        T = captions.size(1)
+        keys = self.prepare(annotations)  # (B,P,K)
+        h, c = self.init_state(annotations)  # (B,D) each
+        rows = []  # each step's (E y_{t-1}, h_t, z_t, alpha_t[, s_t])
+        for t in range(T - 1):
+            given = locations[:, t] if sample and locations is not None else None
+            context, alpha, *location = self.attend(h, annotations, keys, sample, given)
+            y, (h, c) = self.recur(captions[:, t], context, (h, c))
+            rows.append((y, h, context, alpha, *location))
+        y, h, context, alpha, *location = (torch.stack(parts, dim=1) for parts in zip(*rows, strict=True))  # (B,T-1,.)
+        real = captions[:, 1:] != self.embedding.padding_idx  # (B,T-1)
+        logits = self.output(y, h, context)  # (B,T-1,V)
+        outputs = [logits, alpha * real.unsqueeze(-1)]
+        if sample:
+            outputs.append(location[0] * real)
+        return tuple(outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
         """Compile the per-word methods with `torch.compile(**options)` (dynamic shapes unless `options` say

@@ -16,6 +16,17 @@ from captioner.models.decoder import AttentionDecoder
 # higher (README, "A ready model").
 LENGTH_PENALTY = 1.0
 
+# Sync-free decoding (the GPU's: see `greedy_search`) asks the device whether every caption has ended once every this
+# many words: one device-to-host copy per CHECK_EVERY words instead of one per word, at the cost of up to
+# CHECK_EVERY - 1 words run after the last caption ended.
+CHECK_EVERY = 8
+
+
+def sync_free_default(annotations: torch.Tensor, sync_free: bool | None) -> bool:
+    """`sync_free` as asked, or by default on CUDA, where a device-to-host copy per word stalls the launch queue. On a
+    CPU there is no queue to stall, and the shrinking batch saves work."""
+    return annotations.device.type == "cuda" if sync_free is None else sync_free
+
 
 @dataclass
 class Generation:
@@ -40,13 +51,19 @@ def greedy_search(
     end_index: int,
     max_len: int = 30,
     pad_index: int = 0,
+    sync_free: bool | None = None,
 ) -> Generation:
     """Pick the most probable word at every step until every caption has produced <end> or max_len words.
 
-    The active batch shrinks as captions end: the decoder only runs the captions still being written.
+    Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
+    - the active batch shrinks as captions end: the decoder only runs the captions still being written;
+    - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
+      read once every CHECK_EVERY words: the device never waits for the host in between.
     """
     if max_len < 1:
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
+    if sync_free_default(annotations, sync_free):
+        return _greedy_search_sync_free(decoder, annotations, start_index, end_index, max_len, pad_index)
     B, P, _ = annotations.shape
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D) each
@@ -78,6 +95,37 @@ def greedy_search(
     return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
 
 
+def _greedy_search_sync_free(
+    decoder: AttentionDecoder, annotations: torch.Tensor, start_index: int, end_index: int, max_len: int, pad_index: int
+) -> Generation:
+    B, P, _ = annotations.shape
+    device = annotations.device
+    h, c = decoder.init_state(annotations)  # (B,D) each
+    keys = decoder.prepare(annotations)  # (B,P,K)
+    never = torch.tensor([pad_index, start_index], device=device)  # words never generated
+    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
+    out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
+    out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
+    scores = torch.zeros(B, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    for t in range(max_len):
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (B,V), _, (B,P)
+        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))
+        best, tokens = log_probs.max(dim=-1)  # (B,), (B,)
+        writing = ~finished
+        tokens = tokens.masked_fill(finished, pad_index)  # an ended caption goes on with <pad>
+        out_tokens[:, t] = tokens
+        out_alphas[:, t] = alpha.float() * writing.unsqueeze(1)
+        scores += best * writing
+        lengths += writing
+        finished = finished | (tokens == end_index)
+        if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+            break
+    steps = int(lengths.max())
+    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
+
+
 def beam_search(
     decoder: AttentionDecoder,
     annotations: torch.Tensor,
@@ -87,6 +135,7 @@ def beam_search(
     max_len: int = 30,
     length_penalty: float = LENGTH_PENALTY,
     pad_index: int = 0,
+    sync_free: bool | None = None,
 ) -> Generation:
     """Beam search over all images and beams at once: each step is one decoder call on the hypotheses of all the
     images still searching.
@@ -102,11 +151,18 @@ def beam_search(
     a finished hypothesis keeps its length, and a live one that reaches a better score per word can take its place.
     Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. It never
     returns an empty caption.
+
+    `sync_free` (by default on CUDA, see `sync_free_default`) finds the same captions with fixed shapes: every image
+    and hypothesis runs every step, and whether all have finished is read once every CHECK_EVERY words.
     """
     B, P, _ = annotations.shape
     K = beam_size
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
+    if sync_free_default(annotations, sync_free):
+        return _beam_search_sync_free(
+            decoder, annotations, start_index, end_index, K, max_len, length_penalty, pad_index
+        )
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
     keys = decoder.prepare(annotations)  # (B,P,K')
@@ -144,8 +200,7 @@ def beam_search(
         log_probs = F.log_softmax(logits.float(), dim=-1)  # (L,V)
         V = log_probs.size(1)
         if carry is None:
-            if K > V:
-                raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
+            check_beam_size(K, V)
             carry = torch.full((V,), float("-inf"), device=device)
             carry[pad_index] = 0.0
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
@@ -199,11 +254,90 @@ def beam_search(
     final_lengths[rows] = lengths
     final_finished[rows] = finished
 
+    return _read_back(
+        final_scores, final_lengths, final_finished, record_tokens, record_alphas, record_parents, length_penalty
+    )
+
+
+def _beam_search_sync_free(
+    decoder: AttentionDecoder,
+    annotations: torch.Tensor,
+    start_index: int,
+    end_index: int,
+    K: int,
+    max_len: int,
+    length_penalty: float,
+    pad_index: int,
+) -> Generation:
+    """`beam_search` with fixed shapes: no image leaves the batch and every hypothesis runs the whole step. A finished
+    one is extended by <pad> at no cost, so it keeps its score and length, as in the shrinking search; an image whose
+    K hypotheses have finished keeps the same K."""
+    B = annotations.size(0)
+    device = annotations.device
+    h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
+    keys = decoder.prepare(annotations)  # (B,P,K')
+    never = torch.tensor([pad_index, start_index], device=device)  # words never generated
+    offsets = torch.arange(B, device=device).unsqueeze(1)  # (B,1)
+    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (B*G,)
+    scores = torch.zeros(B, 1, device=device)  # (B,G)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B*G,)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B*G,)
+    record_tokens, record_alphas, record_parents = [], [], []  # per step, (B*K,) rows b*K + k, as `beam_search`
+    for t in range(max_len):
+        G = scores.size(1)
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (B*G,V), _, (B*G,P)
+        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (B*G,V)
+        V = log_probs.size(1)
+        if t == 0:
+            check_beam_size(K, V)
+            carry = torch.full((V,), float("-inf"), device=device)  # a finished hypothesis: <pad> only
+            carry[pad_index] = 0.0
+        log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+        candidates = (scores.view(B * G, 1) + log_probs).view(B, G * V)
+        if length_penalty:  # rank by score / length**length_penalty: a finished caption keeps its length
+            extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (B*G,)
+            best = (candidates.view(B * G, V) / extended.unsqueeze(1)).view(B, G * V).topk(K, dim=1).indices
+            scores = candidates.gather(1, best)  # (B,K)
+        else:
+            scores, best = candidates.topk(K, dim=1)  # (B,K)
+        parents = (best // V + offsets * G).view(-1)  # (B*K,) rows of this step's input extended
+        tokens = best.view(-1) % V  # (B*K,)
+        was_finished = finished[parents]
+        h, c = h[parents], c[parents]
+        lengths = lengths[parents] + (~was_finished).long()
+        finished = was_finished | (tokens == end_index)
+        record_tokens.append(tokens)
+        record_parents.append(parents * K if G == 1 else parents)  # the first step's input: row b*K of image b
+        record_alphas.append(alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0))
+        if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+            break
+    return _read_back(scores, lengths, finished, record_tokens, record_alphas, record_parents, length_penalty)
+
+
+def check_beam_size(K: int, V: int) -> None:
+    if K > V:
+        raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
+
+
+def _read_back(
+    final_scores: torch.Tensor,
+    final_lengths: torch.Tensor,
+    final_finished: torch.Tensor,
+    record_tokens: list[torch.Tensor],
+    record_alphas: list[torch.Tensor],
+    record_parents: list[torch.Tensor],
+    length_penalty: float,
+) -> Generation:
+    """Each image's best hypothesis (finished ones first), read back along the back-pointers from its last word.
+    Scores (B,K), lengths and finished (B*K,), and per step the (B*K,) words, alphas and parent rows."""
+    B, K = final_scores.shape
+    device = final_scores.device
     ranking = final_scores / final_lengths.view(B, K).clamp(min=1).float() ** length_penalty  # (B,K)
     any_finished = final_finished.view(B, K).any(dim=1, keepdim=True)  # (B,1)
     ranking = ranking.masked_fill(any_finished & ~final_finished.view(B, K), float("-inf"))
     choice = ranking.argmax(dim=1) + torch.arange(B, device=device) * K  # (B,) record rows of the winners
     steps = len(record_tokens)
+    P = record_alphas[0].size(1)
     out_tokens = torch.empty(B, steps, dtype=torch.long, device=device)
     out_alphas = torch.empty(B, steps, P, device=device)  # float32, also under autocast
     row = choice
@@ -211,7 +345,9 @@ def beam_search(
         out_tokens[:, t] = record_tokens[t][row]
         out_alphas[:, t] = record_alphas[t][row]
         row = record_parents[t][row]
-    return Generation(out_tokens, final_lengths[choice], final_scores.view(-1)[choice], out_alphas)
+    lengths = final_lengths[choice]
+    width = int(lengths.max())  # the longest winner: the columns after it hold <pad> only
+    return Generation(out_tokens[:, :width], lengths, final_scores.view(-1)[choice], out_alphas[:, :width])
 
 
 @dataclass

@@ -22,6 +22,23 @@ from captioner.models.decoding import (
 from captioner.models.encoder import Encoder
 
 
+def bucket_steps(steps: int) -> int:
+    """The steps (words to predict) that the fixed-shape step runs for a batch whose longest caption has `steps`:
+    a multiple of 4 up to 16, of 8 up to 32, of 16 up to 64, and so on. A compiled step meets few shapes (COCO's
+    batches: 12, 16, 24, 32, 48), and at most a third of a batch's steps beyond 16 are padding."""
+    size = 4
+    while steps > 4 * size:
+        size *= 2
+    return -(-steps // size) * size
+
+
+def pad_to_bucket(captions: torch.Tensor, pad_index: int) -> torch.Tensor:
+    """Captions (B,T) padded with `pad_index` to (B,T') where T'-1 is `bucket_steps(T-1)`. Only the tensor's shape is
+    read, never its values: no host sync."""
+    steps = captions.size(1) - 1
+    return F.pad(captions, (0, bucket_steps(steps) - steps), value=pad_index)
+
+
 class Loss(NamedTuple):
     """The training objective and its parts, each averaged as logged."""
 
@@ -46,8 +63,9 @@ def caption_loss(
     Padded steps count in no part, whatever their logits or alphas hold.
     """
     mask = targets != pad_index  # (B,T)
-    B = targets.size(0)
-    nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # over real words only
+    B, V = targets.size(0), logits.size(-1)
+    # Over real words only; ignore_index rather than logits[mask], whose shape depends on the data (a host sync)
+    nll = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=pad_index, reduction="sum")
     attention_total = (alphas * mask.unsqueeze(-1)).sum(dim=1)  # (B,P): sum_t alpha_ti over real steps
     doubly_stochastic = ((1.0 - attention_total) ** 2).sum(dim=1).mean()
     return Loss(nll / B + alpha_c * doubly_stochastic, nll / mask.sum(), doubly_stochastic)
@@ -162,6 +180,7 @@ class ShowAttendTell(nn.Module):
         if attention_mode == "hard":  # b, the running average of log p(y|s,a): saved in checkpoints
             self.register_buffer("reward_baseline", torch.zeros(()))
         self.pad_index, self.start_index, self.end_index = pad_index, start_index, end_index
+        self.fixed_shape = False  # the shrinking batch (the CPU's path); see `forward` and `compile_step`
 
     def annotate(self, images: torch.Tensor | None = None, annotations: torch.Tensor | None = None) -> torch.Tensor:
         """Annotations (B,P,E): given (from the feature cache, say), or encoded from images (B,3,H,W)."""
@@ -176,24 +195,71 @@ class ShowAttendTell(nn.Module):
         images: torch.Tensor | None = None,
         annotations: torch.Tensor | None = None,
     ) -> Loss:
-        """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss."""
+        """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss.
+
+        Runs the shrinking batch (`AttentionDecoder.forward`), or with `fixed_shape` the fixed-shape step
+        (`AttentionDecoder.forward_fixed`) on captions padded to `bucket_steps`, compiled when `compile_step` was
+        called. Both give the same loss.
+        """
         annotations = self.annotate(images, annotations)
         hard_training = self.training and self.attention_mode == "hard"
+        # The paper's 50% expected-context batches: decided on the host, so a compiled step has two graphs
         sample = hard_training and bool(torch.rand(()) >= self.expected_context_p)
-        logits, alphas, *locations = self.decoder(annotations, captions, lengths, sample)  # (B,T-1,V), (B,T-1,P)
+        if self.fixed_shape:
+            captions = pad_to_bucket(captions, self.pad_index)
+        loss, log_likelihood = self._teacher_forced_loss(annotations, captions, lengths, sample)
+        if hard_training:
+            self.update_baseline(log_likelihood)
+        return loss
+
+    def teacher_forced_loss(
+        self,
+        annotations: torch.Tensor,
+        captions: torch.Tensor,
+        lengths: torch.Tensor,
+        sample: bool = False,
+        locations: torch.Tensor | None = None,
+    ) -> tuple[Loss, torch.Tensor | None]:
+        """The loss of captions (B,T) on annotations (B,P,E), by the shrinking or (`fixed_shape`) the fixed-shape
+        decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the baseline, which this leaves as it is.
+        `locations` (B,T-1) are taken as sampled instead of drawing them (tests)."""
+        if self.fixed_shape:  # every caption runs T-1 steps: no host sync, one shape per (B,T)
+            logits, alphas, *drawn = self.decoder.forward_fixed(annotations, captions, sample, locations)
+        else:
+            logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
         loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index)
         if not sample:
-            if hard_training:
-                self.update_baseline(None)
-            return loss
+            return loss, None
         mask = targets != self.pad_index
-        log_likelihood = -(F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * mask).sum(1)  # (B,)
+        per_word = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=self.pad_index, reduction="none")
+        log_likelihood = -per_word.sum(1)  # (B,) log p(y|s,a), real words only
         extra = hard_attention_terms(
-            log_likelihood, alphas, locations[0], mask, self.reward_baseline, self.reinforce_weight, self.entropy_weight
+            log_likelihood, alphas, drawn[0], mask, self.reward_baseline, self.reinforce_weight, self.entropy_weight
         )
-        self.update_baseline(log_likelihood)
-        return loss._replace(loss=loss.loss + extra)
+        return loss._replace(loss=loss.loss + extra), log_likelihood.detach()
+
+    def compile_step(self, **options) -> ShowAttendTell:
+        """Train with the fixed-shape step compiled by `torch.compile(**options)` (the `compile` option of
+        `CaptioningModule`: on CUDA, mode="reduce-overhead", which captures it as CUDA graphs). The compiled function
+        is the loss, forward and backward; the optimizer, clipping and precision stay the trainer's. A step length
+        not seen before compiles once more (`bucket_steps` keeps them few). Not in the paper; it changes no result.
+        Returns the model; `fixed_shape = False` goes back to the shrinking batch."""
+        self.fixed_shape = True
+        self.__dict__["_compiled_loss"] = torch.compile(self.teacher_forced_loss, **options)
+        # Each caption bucket and hard attention's two kinds of batch are graphs of their own: COCO's can be more than
+        # Dynamo's default of 8 recompilations, after which it would run the step uncompiled (with a warning).
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+        return self
+
+    def _teacher_forced_loss(self, *args) -> tuple[Loss, torch.Tensor | None]:
+        """The compiled step in training; validation's loss, one forward per batch, runs uncompiled (the same
+        function, and no graphs to compile for eval mode)."""
+        compiled = self.__dict__.get("_compiled_loss")
+        if compiled is not None and self.fixed_shape and self.training:
+            return compiled(*args)
+        return self.teacher_forced_loss(*args)
 
     @torch.no_grad()
     def update_baseline(self, log_likelihood: torch.Tensor | None) -> None:
@@ -226,15 +292,16 @@ class ShowAttendTell(nn.Module):
         beam_size: int = 1,
         max_len: int = 30,
         length_penalty: float = LENGTH_PENALTY,
+        sync_free: bool | None = None,
     ) -> Generation:
         """Caption a batch: greedy when beam_size is 1, else batched beam search (`captioner.models.decoding`).
+        `sync_free`: fixed shapes, no device-to-host copy at every word (by default on CUDA); the same captions.
 
         Returns tokens (B,T), lengths (B,), scores (B,) and the per-word alphas (B,T,P).
         """
         annotations = self.annotate(images, annotations)
         special = {"start_index": self.start_index, "end_index": self.end_index, "pad_index": self.pad_index}
+        options = {"max_len": max_len, "sync_free": sync_free, **special}
         if beam_size == 1:
-            return greedy_search(self.decoder, annotations, max_len=max_len, **special)
-        return beam_search(
-            self.decoder, annotations, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty, **special
-        )
+            return greedy_search(self.decoder, annotations, **options)
+        return beam_search(self.decoder, annotations, beam_size=beam_size, length_penalty=length_penalty, **options)

@@ -247,3 +247,67 @@ def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothe
     # Some steps attended over ended hypotheses that the LSTM and output layer skipped; none was fed to them.
     assert any(rows < attended for rows, attended in zip(counter.rows, counter.attended, strict=True))
     assert not any(END in words or PAD in words for words in counter.words)
+
+
+# Sync-free decoding (the default on CUDA): fixed shapes, "all ended" read every CHECK_EVERY words. Same captions.
+
+
+@pytest.mark.parametrize("table", [TRAP, WEAK], ids=["trap", "weak"])
+@pytest.mark.parametrize("beam_size", [1, 2, 3])
+def test_sync_free_search_finds_the_same_captions_on_tables(table, beam_size):
+    decoder, annotations = TableDecoder(table), torch.zeros(2, 4, 2)
+    for length_penalty in (0.0, 1.0):
+        options = {"max_len": 10, **SPECIAL}
+        if beam_size == 1:
+            want = greedy_search(decoder, annotations, sync_free=False, **options)
+            got = greedy_search(decoder, annotations, sync_free=True, **options)
+        else:
+            options |= {"beam_size": beam_size, "length_penalty": length_penalty}
+            want = beam_search(decoder, annotations, sync_free=False, **options)
+            got = beam_search(decoder, annotations, sync_free=True, **options)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
+        assert torch.allclose(got.scores, want.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("end_bias", [-1e4, 0.0, 1.5, 3.0])  # never ends, mixed lengths, short captions
+@pytest.mark.parametrize("max_len", [5, 8, 13])  # below, at and past CHECK_EVERY
+def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len):
+    decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
+    decoder.L_o.bias.data[END] += end_bias
+    with torch.inference_mode():
+        for beam_size, length_penalty in ((1, 1.0), (3, 0.0), (3, 1.0), (5, 0.7)):
+            options = {"beam_size": beam_size, "max_len": max_len, "length_penalty": length_penalty, **SPECIAL}
+            search = beam_search if beam_size > 1 else greedy_search
+            if beam_size == 1:
+                options.pop("beam_size"), options.pop("length_penalty")
+            want = search(decoder, annotations, sync_free=False, **options)
+            got = search(decoder, annotations, sync_free=True, **options)
+            assert torch.equal(got.tokens, want.tokens), (beam_size, length_penalty)
+            assert torch.equal(got.lengths, want.lengths)
+            assert torch.allclose(got.scores, want.scores, atol=1e-5)
+            assert torch.allclose(got.alphas, want.alphas, atol=1e-6)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_sync_free_search_reads_the_device_once_every_check_every_words(beam_size, monkeypatch):
+    """Every caption ends at its first word; the shrinking search stops there, the sync-free one asks whether all have
+    ended only after CHECK_EVERY words, and converts a tensor to a Python value once more at the end (the width)."""
+    from captioner.models.decoding import CHECK_EVERY
+
+    ends_at_once = {START: {END: 0.9, A: 0.1}, A: {END: 1.0}}
+    counter = RowCounter(TableDecoder(ends_at_once))
+    reads = {"bool": 0, "int": 0, "item": 0}
+    for name in reads:
+        original = getattr(torch.Tensor, f"__{name}__" if name != "item" else name)
+
+        def counted(self, *args, _original=original, _name=name):
+            reads[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, f"__{name}__" if name != "item" else name, counted)
+    options = {"max_len": 30, **SPECIAL} | ({"beam_size": beam_size} if beam_size > 1 else {})
+    search = beam_search if beam_size > 1 else greedy_search
+    out = search(counter, torch.zeros(3, 4, 2), sync_free=True, **options)
+    assert len(counter.attended) == CHECK_EVERY  # words run: up to the first check
+    assert reads == {"bool": 1, "int": 1, "item": 0}
+    assert out.tokens.tolist() == [[END]] * 3

@@ -1,0 +1,140 @@
+"""The fixed-shape training step (the GPU's path, `--model.compile`): the same loss and gradients as the shrinking
+batch (the CPU's path), and a step that torch.compile captures whole."""
+
+import pytest
+import torch
+
+from captioner.models.show_attend_tell import ShowAttendTell, bucket_steps, pad_to_bucket
+
+V = 20
+
+
+def model(**options) -> ShowAttendTell:
+    options = {"embed_dim": 8, "decoder_dim": 12, "attention_dim": 10, "dropout": 0.0} | options
+    return ShowAttendTell(V, pretrained=False, **options)
+
+
+def batch(m: ShowAttendTell, lengths=(5, 7, 3, 10, 2)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Annotations, captions (B,T) padded to the longest, lengths: captions end at different steps, not sorted."""
+    lengths = torch.tensor(lengths)
+    captions = torch.randint(4, V, (len(lengths), int(lengths.max())))
+    for i, n in enumerate(lengths):
+        captions[i, 0], captions[i, n - 1], captions[i, n:] = 1, 2, 0
+    a = torch.randn(len(lengths), m.encoder.num_pixels, m.encoder.out_dim).relu()
+    return a, captions, lengths
+
+
+def loss_and_gradients(m: ShowAttendTell, fixed: bool, *args, **kwargs):
+    m.fixed_shape = fixed
+    m.zero_grad()
+    loss, log_likelihood = m.teacher_forced_loss(*args, **kwargs)
+    loss.loss.backward()
+    gradients = {name: p.grad.clone() for name, p in m.decoder.named_parameters() if p.grad is not None}
+    return loss, log_likelihood, gradients
+
+
+def assert_same(shrinking, fixed):
+    (loss_s, ll_s, grad_s), (loss_f, ll_f, grad_f) = shrinking, fixed
+    for part_s, part_f in zip(loss_s, loss_f, strict=True):  # the loss, nll per word, doubly stochastic term
+        assert torch.allclose(part_s, part_f, rtol=1e-5, atol=1e-6), (part_s, part_f)
+    if ll_s is not None:
+        assert torch.allclose(ll_s, ll_f, rtol=1e-5, atol=1e-5)
+    assert grad_s.keys() == grad_f.keys() and len(grad_s) >= 10  # every decoder weight gets a gradient
+    for name in grad_s:
+        assert torch.allclose(grad_s[name], grad_f[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_padding_to_a_bucket_reads_only_the_shape():
+    captions = torch.ones(3, 7, dtype=torch.long)  # 6 steps
+    padded = pad_to_bucket(captions, 0)
+    assert padded.shape == (3, 1 + 8) and torch.equal(padded[:, :7], captions)
+    assert (padded[:, 7:] == 0).all()
+    buckets = sorted({bucket_steps(steps) for steps in range(1, 65)})
+    assert buckets == [4, 8, 12, 16, 24, 32, 48, 64]
+    assert all(steps <= bucket_steps(steps) < max(steps + 4, 1.5 * steps) for steps in range(1, 200))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"attention": "dot", "gate": "channel"},
+        {"attention": "general", "gate": "none", "position_embedding": True},
+        {"position_embedding": True, "alpha_c": 0.5},
+    ],
+)
+def test_soft_attention_fixed_shape_gives_the_shrinking_loss_and_gradients(options):
+    m = model(**options).train()
+    a, captions, lengths = batch(m)
+    shrinking = loss_and_gradients(m, False, a, captions, lengths)
+    fixed = loss_and_gradients(m, True, a, pad_to_bucket(captions, 0), lengths)  # padded steps too
+    assert_same(shrinking, fixed)
+
+
+def test_hard_attention_fixed_shape_gives_the_same_loss_and_gradients_for_the_same_locations():
+    m = model(attention_mode="hard", position_embedding=True).train()
+    m.reward_baseline.fill_(-3.0)
+    a, captions, lengths = batch(m)
+    P = m.encoder.num_pixels
+    locations = torch.randint(0, P, (captions.size(0), captions.size(1) - 1))  # (B,T-1): the same draws for both
+    shrinking = loss_and_gradients(m, False, a, captions, lengths, sample=True, locations=locations)
+    padded = pad_to_bucket(captions, 0)
+    more = torch.randint(0, P, (captions.size(0), padded.size(1) - captions.size(1)))  # drawn at padded steps
+    locations = torch.cat([locations, more], 1)
+    fixed = loss_and_gradients(m, True, a, padded, lengths, sample=True, locations=locations)
+    assert_same(shrinking, fixed)
+    # the locations were used: other locations give another loss
+    other = loss_and_gradients(m, True, a, padded, lengths, sample=True, locations=(locations + 1) % P)
+    assert not torch.allclose(other[0].loss, fixed[0].loss)
+
+
+def test_the_forward_pads_to_the_bucket_and_gives_the_same_loss():
+    m = model().train()
+    a, captions, lengths = batch(m)
+    shrinking = m(captions, lengths, annotations=a)
+    m.fixed_shape = True
+    fixed = m(captions, lengths, annotations=a)
+    assert torch.allclose(shrinking.loss, fixed.loss, rtol=1e-5)
+
+
+COMPILERS = [
+    pytest.param("aot_eager", id="aot_eager"),  # Dynamo's capture and AOTAutograd's backward, without code generation
+    pytest.param("inductor", id="inductor", marks=pytest.mark.slow),  # what runs on a GPU; about 45 s here
+]
+
+
+@pytest.mark.parametrize("backend", COMPILERS)
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
+    """fullgraph=True fails on any graph break: a host sync (.item(), int(tensor), boolean-mask indexing) or a branch
+    on a tensor's value. So the step that CUDA graphs capture on a GPU has none; this is the CPU's proof of it."""
+    torch._dynamo.reset()
+    m = model(attention_mode=mode).train()
+    a, captions, lengths = batch(m)
+    m.compile_step(fullgraph=True, dynamic=False, backend=backend)
+    padded = pad_to_bucket(captions, 0)
+    sample = mode == "hard"
+    m.zero_grad()
+    loss, log_likelihood = m._teacher_forced_loss(a, padded, lengths, sample)
+    loss.loss.backward()
+    compiled = {name: p.grad.clone() for name, p in m.decoder.named_parameters() if p.grad is not None}
+    assert (log_likelihood is not None) == sample
+    if not sample:  # no draws: the eager step computes the same numbers
+        eager = loss_and_gradients(m, True, a, padded, lengths)
+        assert torch.allclose(eager[0].loss, loss.loss, rtol=1e-5)
+        for name, grad in eager[2].items():
+            assert torch.allclose(grad, compiled[name], rtol=1e-4, atol=1e-6), name
+    # the model's own forward goes through the compiled step
+    assert torch.isfinite(m(captions, lengths, annotations=a).loss)
+
+
+def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
+    """The check above can fail: the shrinking batch's own step (int(tensor), boolean masks) breaks the graph."""
+    torch._dynamo.reset()
+    m = model().train()
+    a, captions, lengths = batch(m)
+    m.compile_step(fullgraph=True, dynamic=False, backend="aot_eager")
+    m.fixed_shape = True
+    monkeypatch.setattr(m.decoder, "forward_fixed", lambda a, c, s, l: m.decoder.forward(a, c, (c != 0).sum(1), s, l))
+    with pytest.raises(Exception, match=r"(?i)graph break|data-dependent"):
+        m._teacher_forced_loss(a, pad_to_bucket(captions, 0), lengths, False)
