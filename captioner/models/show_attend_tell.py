@@ -48,7 +48,12 @@ class Loss(NamedTuple):
 
 
 def caption_loss(
-    logits: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor, alpha_c: float = 1.0, pad_index: int = 0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    alphas: torch.Tensor,
+    alpha_c: float = 1.0,
+    pad_index: int = 0,
+    sync_free: bool = False,
 ) -> Loss:
     """The paper's objective (eq. 14), averaged over the batch:
 
@@ -59,13 +64,19 @@ def caption_loss(
         targets: (B,T) word ids, `pad_index` after each caption's <end>.
         alphas: (B,T,P) attention weights.
         alpha_c: lambda, the weight of the doubly stochastic term.
+        sync_free: the cross-entropy of every position, padding ignored, rather than of the real words gathered first
+            (`logits[mask]`, whose shape depends on the data: a host sync). The same sum; the gather is faster on a
+            CPU, where the padded positions' softmax would be computed for nothing.
 
     Padded steps count in no part, whatever their logits or alphas hold.
     """
     mask = targets != pad_index  # (B,T)
-    B, V = targets.size(0), logits.size(-1)
-    # Over real words only; ignore_index rather than logits[mask], whose shape depends on the data (a host sync)
-    nll = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=pad_index, reduction="sum")
+    B = targets.size(0)
+    if sync_free:
+        V = logits.size(-1)
+        nll = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=pad_index, reduction="sum")
+    else:
+        nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # over real words only
     attention_total = (alphas * mask.unsqueeze(-1)).sum(dim=1)  # (B,P): sum_t alpha_ti over real steps
     doubly_stochastic = ((1.0 - attention_total) ** 2).sum(dim=1).mean()
     return Loss(nll / B + alpha_c * doubly_stochastic, nll / mask.sum(), doubly_stochastic)
@@ -228,7 +239,7 @@ class ShowAttendTell(nn.Module):
         else:
             logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
-        loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index)
+        loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index, sync_free=self.fixed_shape)
         if not sample:
             return loss, None
         mask = targets != self.pad_index
