@@ -1,5 +1,7 @@
 """The optional torch.compile of the decoder's per-word methods (`Captioner.load(..., compile_decoder=True)`)."""
 
+import math
+
 import pytest
 import torch
 
@@ -104,3 +106,20 @@ def test_the_compile_option_is_auto_true_or_false():
     assert not CaptioningModule(vocab, compile="false", **options).compiles_step()
     with pytest.raises(ConfigError, match="compile must be auto, true or false"):
         CaptioningModule(vocab, compile="sometimes", **options)
+
+
+@pytest.mark.slow  # Inductor compiles each graph in C++: minutes on 2 cores
+def test_a_compiled_fit_with_hard_attention_bf16_and_clipping_trains_with_finite_losses(tmp_path):
+    """Hard attention's two kinds of batch (sampled locations, expected context) as two graphs, under bf16 autocast
+    and gradient clipping, in Lightning's optimizer loop."""
+    from captioner.cli import run_lightning_cli
+    from tests.conftest import tiny_fit_args
+
+    torch._dynamo.reset()
+    options = ["--model.compile=true", "--model.attention_mode=hard", "--trainer.precision=bf16-mixed"]
+    cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, *options, "--trainer.gradient_clip_val=1.0")])
+    assert cli.model.model.fixed_shape
+    values = logged(tmp_path)
+    assert {"val/loss", "train/loss_epoch"} <= values.keys()
+    assert all(math.isfinite(value) for value in values.values())
+    assert cli.model.model.reward_baseline.item() < 0  # sampled batches moved the baseline

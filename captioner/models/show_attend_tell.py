@@ -218,7 +218,9 @@ class ShowAttendTell(nn.Module):
         sample = hard_training and bool(torch.rand(()) >= self.expected_context_p)
         if self.fixed_shape:
             captions = pad_to_bucket(captions, self.pad_index)
-        loss, log_likelihood = self._teacher_forced_loss(annotations, captions, lengths, sample)
+        # b as a copy: the step may keep it for its backward pass, and update_baseline changes b before that runs
+        baseline = self.reward_baseline.clone() if sample else None
+        loss, log_likelihood = self._teacher_forced_loss(annotations, captions, lengths, sample, None, baseline)
         if hard_training:
             self.update_baseline(log_likelihood)
         return loss
@@ -230,10 +232,12 @@ class ShowAttendTell(nn.Module):
         lengths: torch.Tensor,
         sample: bool = False,
         locations: torch.Tensor | None = None,
+        baseline: torch.Tensor | None = None,
     ) -> tuple[Loss, torch.Tensor | None]:
         """The loss of captions (B,T) on annotations (B,P,E), by the shrinking or (`fixed_shape`) the fixed-shape
-        decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the baseline, which this leaves as it is.
-        `locations` (B,T-1) are taken as sampled instead of drawing them (tests)."""
+        decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the baseline b, which this leaves as it
+        is. `locations` (B,T-1) are taken as sampled instead of drawing them (tests); `baseline` is b (by default the
+        model's `reward_baseline`)."""
         if self.fixed_shape:  # every caption runs T-1 steps: no host sync, one shape per (B,T)
             logits, alphas, *drawn = self.decoder.forward_fixed(annotations, captions, sample, locations)
         else:
@@ -245,8 +249,9 @@ class ShowAttendTell(nn.Module):
         mask = targets != self.pad_index
         per_word = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=self.pad_index, reduction="none")
         log_likelihood = -per_word.sum(1)  # (B,) log p(y|s,a), real words only
+        baseline = self.reward_baseline if baseline is None else baseline
         extra = hard_attention_terms(
-            log_likelihood, alphas, drawn[0], mask, self.reward_baseline, self.reinforce_weight, self.entropy_weight
+            log_likelihood, alphas, drawn[0], mask, baseline, self.reinforce_weight, self.entropy_weight
         )
         return loss._replace(loss=loss.loss + extra), log_likelihood.detach()
 

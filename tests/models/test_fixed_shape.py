@@ -99,7 +99,9 @@ def test_the_forward_pads_to_the_bucket_and_gives_the_same_loss():
 
 COMPILERS = [
     pytest.param("aot_eager", id="aot_eager"),  # Dynamo's capture and AOTAutograd's backward, without code generation
-    pytest.param("inductor", id="inductor", marks=pytest.mark.slow),  # what runs on a GPU; about 45 s here
+    # What runs on a GPU; about 45 s here. Only Inductor's backward keeps the baseline b that update_baseline changes
+    # in place before the backward pass: a bug that the aot_eager form cannot show.
+    pytest.param("inductor", id="inductor", marks=pytest.mark.slow),
 ]
 
 
@@ -124,8 +126,14 @@ def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
         assert torch.allclose(eager[0].loss, loss.loss, rtol=1e-5)
         for name, grad in eager[2].items():
             assert torch.allclose(grad, compiled[name], rtol=1e-4, atol=1e-6), name
-    # the model's own forward goes through the compiled step
-    assert torch.isfinite(m(captions, lengths, annotations=a).loss)
+    # the model's own forward goes through the compiled step, and its backward runs after b was updated
+    m.expected_context_p = 0.0  # hard attention: every batch samples
+    before = m.reward_baseline.clone() if sample else None
+    loss = m(captions, lengths, annotations=a).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    if sample:
+        assert not torch.equal(m.reward_baseline, before)
 
 
 def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
