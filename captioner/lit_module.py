@@ -126,6 +126,7 @@ class CaptioningModule(L.LightningModule):
         self._resumed_rng_states: dict | None = None
         self._fingerprint: str | None = None
         self._self_critical: SelfCritical | None = None  # the training split's rewards, built when a fit starts
+        self._unchecked_loss: torch.Tensor | None = None  # the sync-free step's loss, checked before the optimizer
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -212,15 +213,29 @@ class CaptioningModule(L.LightningModule):
         return loss.loss
 
     def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
-        if not torch.isfinite(loss):  # stop at once, rather than train and log NaN to the end
+        if stage == "train" and self.model.fixed_shape:  # the sync-free step: read after its backward pass is queued
+            self._unchecked_loss = loss.detach()
+        else:
+            self._check_finite(loss, stage)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)
+        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
+            self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
+
+    def _check_finite(self, loss: torch.Tensor, stage: str) -> None:
+        """Stop at once on a NaN or infinite loss, rather than train and log NaN to the end. Reading the loss makes the
+        host wait for the device: the sync-free step does it in `on_before_optimizer_step`, after its backward pass was
+        queued and before the optimizer can write non-finite weights."""
+        if not torch.isfinite(loss):
             raise CaptionerError(
                 f"{stage}/loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: the model "
                 "overflowed (annotations too large for the decoder, a learning rate too high, or float16 precision: "
                 "try --model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
             )
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)
-        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
-            self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        loss, self._unchecked_loss = self._unchecked_loss, None
+        if loss is not None:
+            self._check_finite(loss, "train")
 
     def _self_critical_step(self, batch: dict) -> torch.Tensor:
         """SCST: K captions drawn per image, each rewarded with its CIDEr-D, against a baseline (`captioner.scst`)."""

@@ -33,6 +33,16 @@ def test_a_non_finite_loss_stops_with_one_line_naming_the_likely_causes():
     assert "--model.decoder_lr" in message and "--trainer.precision" in message
 
 
+def test_the_sync_free_step_checks_its_loss_before_the_optimizer_step_not_in_the_step():
+    model = module()
+    model.model.fixed_shape = True  # the compiled step's form (--model.compile)
+    model.training_step(batch(model, float("inf")), 0)  # no error here: the loss is not read in the step
+    with pytest.raises(CaptionerError, match=r"^train/loss is nan at epoch 0, step 0: the model overflowed"):
+        model.on_before_optimizer_step(None)  # Lightning's hook after the backward pass, before the optimizer step
+    model.training_step(batch(model), 0)
+    model.on_before_optimizer_step(None)  # finite: no error
+
+
 def test_a_batch_with_no_readable_image_is_skipped_by_one_process():
     model = module()
     empty = collate([None, None])
