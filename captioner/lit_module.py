@@ -74,11 +74,11 @@ class CaptioningModule(L.LightningModule):
         scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
             of its greedy caption (Rennie et al. 2017).
         compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
-            batch runs the batch's steps (padded to `bucket_steps`, the padding masked), nothing syncs
-            with the host, and the loss (forward and backward) is compiled by torch.compile, with
-            mode="reduce-overhead" (CUDA graphs) on CUDA. The first steps of each caption length compile (tens of
-            seconds). Off: the shrinking batch (each step runs the captions still going), fastest on a CPU. The loss,
-            logged values and checkpoints are the same either way (docs/benchmarks.md, "On a GPU").
+            batch runs the batch's steps (padded to `bucket_steps`, the padding masked), nothing syncs with the host,
+            and the loss (forward and backward) is compiled by torch.compile, with mode="reduce-overhead" (CUDA
+            graphs) on CUDA. The first steps of each caption length compile (tens of seconds). Off: the shrinking
+            batch (each step runs the captions still going), fastest on a CPU. The loss, logged values and checkpoints
+            are the same either way (README, "Speed").
         **model_options: the model's hyper-parameters, see `ShowAttendTell` and `AttentionDecoder`.
     """
 
@@ -189,7 +189,7 @@ class CaptioningModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.compiles_step() and not self.model.fixed_shape:
-            # On CUDA, reduce-overhead: the step's kernels replayed as CUDA graphs (one launch instead of ~1,400)
+            # On CUDA, reduce-overhead: the step's many small kernels replayed as CUDA graphs, a launch each
             self.model.compile_step(mode="reduce-overhead" if self.device.type == "cuda" else None)
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
         # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
@@ -214,7 +214,8 @@ class CaptioningModule(L.LightningModule):
 
     def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
         if stage == "train" and self.model.fixed_shape:  # the sync-free step: read after its backward pass is queued
-            self._unchecked_loss = loss.detach()
+            pending = self._unchecked_loss  # accumulated batches: their sum is finite only if every loss is
+            self._unchecked_loss = loss.detach() if pending is None else pending + loss.detach()
         else:
             self._check_finite(loss, stage)
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)

@@ -38,11 +38,12 @@ def logged(root) -> dict[str, float]:
     return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
 
 
+@pytest.mark.slow  # 40 s with aot_eager; the default run's share of this is the next test and tests/models
 @pytest.mark.parametrize(
     "backend",
     [
         pytest.param("aot_eager", id="aot_eager"),  # Dynamo's capture in Lightning's loop, without code generation
-        pytest.param("inductor", id="inductor", marks=pytest.mark.slow),  # as on a GPU; minutes of C++ compiling
+        pytest.param("inductor", id="inductor"),  # as on a GPU; minutes of C++ compiling when its cache is cold
     ],
 )
 def test_a_compiled_fit_logs_what_the_plain_fit_logs_and_their_checkpoints_are_interchangeable(
@@ -93,6 +94,20 @@ def test_a_compiled_fit_logs_what_the_plain_fit_logs_and_their_checkpoints_are_i
         ]
     )
     assert resumed.trainer.current_epoch == 2 and resumed.model.model.fixed_shape
+
+
+def test_compile_true_compiles_the_step_when_the_fit_starts(monkeypatch):
+    from captioner.lit_module import CaptioningModule
+    from captioner.models.show_attend_tell import ShowAttendTell
+
+    calls = []
+    monkeypatch.setattr(ShowAttendTell, "compile_step", lambda self, **options: calls.append(options))
+    sizes = {"pretrained": False, "embed_dim": 8, "decoder_dim": 8, "attention_dim": 8}
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a"]
+    CaptioningModule(vocab, **sizes).on_fit_start()  # auto, on a CPU: the shrinking batch
+    assert calls == []
+    CaptioningModule(vocab, compile=True, **sizes).on_fit_start()
+    assert calls == [{"mode": None}]  # reduce-overhead (CUDA graphs) only on CUDA
 
 
 def test_the_compile_option_is_auto_true_or_false():

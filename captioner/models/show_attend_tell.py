@@ -273,9 +273,13 @@ class ShowAttendTell(nn.Module):
         """The compiled step in training; validation's loss, one forward per batch, runs uncompiled (the same
         function, and no graphs to compile for eval mode)."""
         compiled = self.__dict__.get("_compiled_loss")
-        if compiled is not None and self.fixed_shape and self.training:
-            return compiled(*args)
-        return self.teacher_forced_loss(*args)
+        if compiled is None or not self.fixed_shape or not self.training:
+            return self.teacher_forced_loss(*args)
+        loss, log_likelihood = compiled(*args)
+        # A CUDA graph's outputs live in its memory pool and are overwritten by its next replay; the loss parts are
+        # logged and read later (progress bar, epoch means), so they leave as copies: a few scalars.
+        copies = Loss(*(part.clone() for part in loss))
+        return copies, None if log_likelihood is None else log_likelihood.clone()
 
     @torch.no_grad()
     def update_baseline(self, log_likelihood: torch.Tensor | None) -> None:
