@@ -200,21 +200,11 @@ def beam_search(
         log_probs = F.log_softmax(logits.float(), dim=-1)  # (L,V)
         V = log_probs.size(1)
         if carry is None:
-            check_beam_size(K, V)
-            carry = torch.full((V,), float("-inf"), device=device)
-            carry[pad_index] = 0.0
+            carry = finished_extension(K, V, pad_index, device)
         log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
         if some_ended:
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
-        candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
-        if length_penalty:  # rank by score / length**length_penalty: a finished caption keeps its length
-            extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (A*G,)
-            best = (candidates.view(A * G, V) / extended.unsqueeze(1)).view(A, G * V).topk(K, dim=1).indices
-            scores = candidates.gather(1, best)  # (A,K)
-        else:
-            scores, best = candidates.topk(K, dim=1)  # (A,K)
-        parents = (best // V + torch.arange(A, device=device).unsqueeze(1) * G).view(-1)  # (A*K,) rows extended
-        tokens = best.view(-1) % V  # (A*K,); not a view, which would give torch.compile one more graph
+        scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
         was_finished = finished[parents]
         h, c = h[parents], c[parents]
         lengths = lengths[parents] + (~was_finished).long()
@@ -277,7 +267,6 @@ def _beam_search_sync_free(
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
     keys = decoder.prepare(annotations)  # (B,P,K')
     never = torch.tensor([pad_index, start_index], device=device)  # words never generated
-    offsets = torch.arange(B, device=device).unsqueeze(1)  # (B,1)
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (B*G,)
     scores = torch.zeros(B, 1, device=device)  # (B,G)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B*G,)
@@ -289,19 +278,9 @@ def _beam_search_sync_free(
         log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (B*G,V)
         V = log_probs.size(1)
         if t == 0:
-            check_beam_size(K, V)
-            carry = torch.full((V,), float("-inf"), device=device)  # a finished hypothesis: <pad> only
-            carry[pad_index] = 0.0
+            carry = finished_extension(K, V, pad_index, device)
         log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
-        candidates = (scores.view(B * G, 1) + log_probs).view(B, G * V)
-        if length_penalty:  # rank by score / length**length_penalty: a finished caption keeps its length
-            extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (B*G,)
-            best = (candidates.view(B * G, V) / extended.unsqueeze(1)).view(B, G * V).topk(K, dim=1).indices
-            scores = candidates.gather(1, best)  # (B,K)
-        else:
-            scores, best = candidates.topk(K, dim=1)  # (B,K)
-        parents = (best // V + offsets * G).view(-1)  # (B*K,) rows of this step's input extended
-        tokens = best.view(-1) % V  # (B*K,)
+        scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
         was_finished = finished[parents]
         h, c = h[parents], c[parents]
         lengths = lengths[parents] + (~was_finished).long()
@@ -314,9 +293,39 @@ def _beam_search_sync_free(
     return _read_back(scores, lengths, finished, record_tokens, record_alphas, record_parents, length_penalty)
 
 
-def check_beam_size(K: int, V: int) -> None:
+def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> torch.Tensor:
+    """The log-probabilities (V,) of a finished hypothesis's next word: 0 for <pad>, -inf for every other word. Also
+    where the vocabulary's size is first known, so where a beam wider than it is refused."""
     if K > V:
         raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
+    carry = torch.full((V,), float("-inf"), device=device)
+    carry[pad_index] = 0.0
+    return carry
+
+
+def _best_extensions(
+    scores: torch.Tensor,
+    log_probs: torch.Tensor,
+    lengths: torch.Tensor,
+    finished: torch.Tensor,
+    K: int,
+    length_penalty: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One beam step's choice: from the scores (A,G) of A images' G hypotheses and the log-probabilities (A*G,V) of
+    their next words, the K best extensions of each image, ranked by score / length**length_penalty (a finished
+    hypothesis keeps its length). Returns their scores (A,K), the rows (A*K,) they extend and their words (A*K,)."""
+    A, G = scores.shape
+    V = log_probs.size(1)
+    candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
+    if length_penalty:
+        extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (A*G,)
+        best = (candidates.view(A * G, V) / extended.unsqueeze(1)).view(A, G * V).topk(K, dim=1).indices
+        scores = candidates.gather(1, best)  # (A,K)
+    else:
+        scores, best = candidates.topk(K, dim=1)  # (A,K)
+    parents = (best // V + torch.arange(A, device=scores.device).unsqueeze(1) * G).view(-1)  # (A*K,)
+    tokens = best.view(-1) % V  # (A*K,); not a view, which would give torch.compile one more graph
+    return scores, parents, tokens
 
 
 def _read_back(
