@@ -356,7 +356,7 @@ def attention_ceiling(
     `attention_correctness` scores. Upsampling spreads even the best grid attention beyond the box, so it is below 1:
     on 224-pixel shapes images about 0.81 for a small shape and 0.88 for a large one on the 14x14 grid, 0.64 and 0.78
     on 7x7."""
-    links = link_words_to_objects(words, objects)
     P = grid_hw[0] * grid_hw[1]
-    alphas = np.stack([oracle_attention(objects[k].box, grid_hw, image_size) if k >= 0 else np.zeros(P) for k in links])
-    return attention_correctness(words, alphas, grid_hw, objects, image_size)[0] if links else []
+    links = link_words_to_objects(words, objects)
+    alphas = [oracle_attention(objects[k].box, grid_hw, image_size) if k >= 0 else np.zeros(P) for k in links]
+    return attention_correctness(words, np.array(alphas).reshape(len(links), P), grid_hw, objects, image_size)[0]
