@@ -90,7 +90,8 @@ def test_every_command_takes_the_caption(case, checkpoints, tmp_path, capsys):
     assert float(rows[-1]["test/bleu4"]) == 0.0
 
     output = tmp_path / "predictions.jsonl"
-    run_lightning_cli(["predict", *tiny_fit_args(tmp_path), f"--ckpt_path={checkpoint}", f"--predictions.output={output}"])
+    predict = ["predict", *tiny_fit_args(tmp_path), f"--ckpt_path={checkpoint}", f"--predictions.output={output}"]
+    run_lightning_cli(predict)
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert records and all(record["caption"] == " ".join(words) for record in records)
 
