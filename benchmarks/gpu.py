@@ -106,7 +106,7 @@ def tutorial_forward(decoder: AttentionDecoder, a: torch.Tensor, captions: torch
 
 def training_rate(sizes: dict, B: int, form: str, bf16: bool, device: torch.device) -> tuple[float, float]:
     """Captions/s of one form of the step ("tutorial", "eager", "compiled"), and the seconds the first pass took."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     m = model(sizes, device)
     if form == "compiled":  # --smoke: Dynamo's capture only, not Inductor's minutes of C++ compiling
         m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))

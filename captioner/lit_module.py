@@ -7,6 +7,7 @@ import random
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.data.shapes import attention_ceiling, attention_correctness
 from captioner.data.vocab import Vocabulary
@@ -48,6 +49,25 @@ def gather(records: list) -> list:
     return [record for part in everyone for record in part]
 
 
+def compile_options(device_type: str, accumulate: int = 1, backend: str | None = None) -> tuple[dict, str | None]:
+    """torch.compile's options for the training step, and a line to log about them (or None).
+
+    On CUDA, mode="reduce-overhead": the step's many small kernels are captured as CUDA graphs and replayed, a launch
+    each. A graph's outputs live in its own memory, which its next replay overwrites, and the gradients of the first
+    of several accumulated batches are such outputs (a known PyTorch limitation): with `accumulate` > 1 the step is
+    compiled without CUDA graphs."""
+    options = {"backend": backend} if backend else {}
+    if device_type != "cuda":
+        return options, None
+    if accumulate > 1:
+        note = (
+            f"compiled step: without CUDA graphs, since gradients are accumulated over {accumulate} batches (a graph's "
+            "next replay would overwrite them)"
+        )
+        return options, note
+    return {**options, "mode": "reduce-overhead"}, None
+
+
 class CaptioningModule(L.LightningModule):
     """Trains and evaluates a ShowAttendTell model.
 
@@ -76,9 +96,15 @@ class CaptioningModule(L.LightningModule):
         compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
             batch runs the batch's steps (padded to `bucket_steps`, the padding masked), nothing syncs with the host,
             and the loss (forward and backward) is compiled by torch.compile, with mode="reduce-overhead" (CUDA
-            graphs) on CUDA. The first steps of each caption length compile (tens of seconds). Off: the shrinking
-            batch (each step runs the captions still going), fastest on a CPU. The loss, logged values and checkpoints
-            are the same either way (README, "Speed").
+            graphs) on CUDA, except when gradients are accumulated over batches (`accumulate_grad_batches` > 1): a
+            graph's next replay would overwrite the gradients of the batch before, so the step is compiled without
+            CUDA graphs, and a log line says so. The first steps of each caption length compile (tens of seconds).
+            Off: the shrinking batch (each step runs the captions still going), fastest on a CPU. Both compute the same
+            loss and gradients for the same random draws; they draw dropout's masks (and hard attention's locations)
+            differently, so runs agree to rounding only with dropout 0 and soft attention (README, "Speed").
+        compile_backend: torch.compile's backend for the compiled step (None: its default, Inductor, which needs a C++
+            compiler on a CPU). "aot_eager" traces forward and backward without generating code: a quick check that
+            a model compiles.
         **model_options: the model's hyper-parameters, see `ShowAttendTell` and `AttentionDecoder`.
     """
 
@@ -100,6 +126,7 @@ class CaptioningModule(L.LightningModule):
         scst_samples: int = 5,
         scst_baseline: str = "others",
         compile: bool | str = "auto",
+        compile_backend: str | None = None,
         **model_options,
     ):
         super().__init__()
@@ -189,8 +216,11 @@ class CaptioningModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.compiles_step() and not self.model.fixed_shape:
-            # On CUDA, reduce-overhead: the step's many small kernels replayed as CUDA graphs, a launch each
-            self.model.compile_step(mode="reduce-overhead" if self.device.type == "cuda" else None)
+            accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+            options, note = compile_options(self.device.type, accumulate, self.hparams.get("compile_backend"))
+            if note:
+                rank_zero_info(note)
+            self.model.compile_step(**options)
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
         # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
         if self._resumed_rng_states is not None:

@@ -39,6 +39,19 @@ def pad_to_bucket(captions: torch.Tensor, pad_index: int) -> torch.Tensor:
     return F.pad(captions, (0, bucket_steps(steps) - steps), value=pad_index)
 
 
+# Each caption bucket and hard attention's two kinds of batch are graphs of their own: COCO's can be more than Dynamo's
+# default of 8 recompilations, after which it would run the step uncompiled (with a warning). The limit is raised for
+# the compiled step's calls only, and restored after each (torch.compiler has no public knob for it).
+RECOMPILE_LIMIT = 64
+
+
+def _recompile_limit(limit: int):
+    """A context in which Dynamo compiles a function up to `limit` times (its config, patched and restored)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    return config.patch(**{name: max(getattr(config, name), limit)})
+
+
 class Loss(NamedTuple):
     """The training objective and its parts, each averaged as logged."""
 
@@ -263,10 +276,6 @@ class ShowAttendTell(nn.Module):
         Returns the model; `fixed_shape = False` goes back to the shrinking batch."""
         self.fixed_shape = True
         self.__dict__["_compiled_loss"] = torch.compile(self.teacher_forced_loss, **options)
-        # Each caption bucket and hard attention's two kinds of batch are graphs of their own: COCO's can be more than
-        # Dynamo's default of 8 recompilations, after which it would run the step uncompiled (with a warning).
-        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
         return self
 
     def _teacher_forced_loss(self, *args) -> tuple[Loss, torch.Tensor | None]:
@@ -275,7 +284,8 @@ class ShowAttendTell(nn.Module):
         compiled = self.__dict__.get("_compiled_loss")
         if compiled is None or not self.fixed_shape or not self.training:
             return self.teacher_forced_loss(*args)
-        loss, log_likelihood = compiled(*args)
+        with _recompile_limit(RECOMPILE_LIMIT):
+            loss, log_likelihood = compiled(*args)
         # A CUDA graph's outputs live in its memory pool and are overwritten by its next replay; the loss parts are
         # logged and read later (progress bar, epoch means), so they leave as copies: a few scalars.
         copies = Loss(*(part.clone() for part in loss))

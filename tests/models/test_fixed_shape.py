@@ -110,7 +110,7 @@ COMPILERS = [
 def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
     """fullgraph=True fails on any graph break: a host sync (.item(), int(tensor), boolean-mask indexing) or a branch
     on a tensor's value. So the step that CUDA graphs capture on a GPU has none; this is the CPU's proof of it."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     m = model(attention_mode=mode).train()
     a, captions, lengths = batch(m, lengths=(5, 3, 6, 2))  # 8 steps: the loop is unrolled, so short is quick
     m.compile_step(fullgraph=True, dynamic=False, backend=backend)
@@ -138,7 +138,7 @@ def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
 
 def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
     """The check above can fail: the shrinking batch's own step (int(tensor), boolean masks) breaks the graph."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     m = model().train()
     a, captions, lengths = batch(m)
     m.compile_step(fullgraph=True, dynamic=False, backend="aot_eager")

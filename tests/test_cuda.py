@@ -1,0 +1,46 @@
+"""On a CUDA GPU only (skipped elsewhere, CI included): the compiled training step as `captioner fit` runs it there by
+default, against the plain step, with and without gradient accumulation (which turns CUDA graphs off)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from captioner.cli import run_lightning_cli
+from tests.conftest import tiny_fit_args
+from tests.test_compile import logged
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = ["--trainer.accelerator=cuda", "--float32_matmul_precision=highest", "--model.dropout=0"]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_compiled_step_on_cuda_logs_what_the_plain_step_logs(tmp_path, accumulate):
+    """compile auto: on CUDA the fixed-shape step under torch.compile, with CUDA graphs (mode="reduce-overhead")
+    unless gradients are accumulated."""
+    torch.compiler.reset()
+    same = [*CUDA, f"--data.init_args.data_dir={tmp_path / 'data'}", f"--trainer.accumulate_grad_batches={accumulate}"]
+    run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "plain", *same, "--model.compile=false")])
+    cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *same, "--trainer.max_epochs=2")])
+    assert cli.model.device.type == "cuda" and cli.model.model.fixed_shape
+    # The compiled run's first epoch is the plain run's one epoch; its second shows that the replays train on.
+    want, got = logged(tmp_path / "plain"), logged(tmp_path / "compiled", epoch=0)
+    for key in ("val/loss", "train/loss_epoch", "val/nll_per_word"):
+        assert got[key] == pytest.approx(want[key], rel=1e-3), key
+    second = logged(tmp_path / "compiled", epoch=1)
+    assert all(math.isfinite(value) for value in second.values()) and second["val/loss"] != got["val/loss"]
+    assert cli.trainer.global_step == 2 * 4 // accumulate
+
+
+def test_hard_attention_bf16_and_clipping_compiled_on_cuda_train_with_finite_losses(tmp_path):
+    """Hard attention's draws (torch.multinomial) inside a CUDA graph, under bf16 autocast and gradient clipping."""
+    torch.compiler.reset()
+    options = ["--model.attention_mode=hard", "--trainer.precision=bf16-mixed", "--trainer.gradient_clip_val=1.0"]
+    cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, *CUDA, *options, "--trainer.max_epochs=2")])
+    values = logged(tmp_path)
+    assert cli.model.model.fixed_shape and {"val/loss", "train/loss_epoch"} <= values.keys()
+    assert all(math.isfinite(value) for value in values.values())
+    assert cli.model.model.reward_baseline.item() < 0  # sampled batches moved the baseline
