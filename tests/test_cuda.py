@@ -25,7 +25,7 @@ def test_the_compiled_step_on_cuda_logs_what_the_plain_step_logs(tmp_path, accum
     same = [*CUDA, f"--data.init_args.data_dir={tmp_path / 'data'}", f"--trainer.accumulate_grad_batches={accumulate}"]
     run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "plain", *same, "--model.compile=false")])
     cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *same, "--trainer.max_epochs=2")])
-    assert cli.model.device.type == "cuda" and cli.model.model.fixed_shape
+    assert cli.trainer.strategy.root_device.type == "cuda" and cli.model.model.fixed_shape
     # The compiled run's first epoch is the plain run's one epoch; its second shows that the replays train on.
     want, got = logged(tmp_path / "plain"), logged(tmp_path / "compiled", epoch=0)
     for key in ("val/loss", "train/loss_epoch", "val/nll_per_word"):

@@ -266,7 +266,8 @@ class ShowAttendTell(nn.Module):
         extra = hard_attention_terms(
             log_likelihood, alphas, drawn[0], mask, baseline, self.reinforce_weight, self.entropy_weight
         )
-        return loss._replace(loss=loss.loss + extra), log_likelihood.detach()
+        # A new Loss rather than loss._replace, which Dynamo (torch 2.11) cannot trace
+        return Loss(loss.loss + extra, loss.nll_per_word, loss.doubly_stochastic), log_likelihood.detach()
 
     def compile_step(self, **options) -> ShowAttendTell:
         """Train with the fixed-shape step compiled by `torch.compile(**options)` (the `compile` option of
