@@ -153,7 +153,8 @@ class CaptioningModule(L.LightningModule):
         self._resumed_rng_states: dict | None = None
         self._fingerprint: str | None = None
         self._self_critical: SelfCritical | None = None  # the training split's rewards, built when a fit starts
-        self._unchecked_loss: torch.Tensor | None = None  # the sync-free step's loss, checked before the optimizer
+        self._unchecked_loss: torch.Tensor | None = None  # the training losses since the last optimizer step
+        self._non_finite: str | None = None  # the first non-finite loss of this validation or test, said at its end
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -243,30 +244,34 @@ class CaptioningModule(L.LightningModule):
         return loss.loss
 
     def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
-        if stage == "train" and self.model.fixed_shape:  # the sync-free step: read after its backward pass is queued
+        if stage == "train":  # checked before the optimizer step (`on_before_optimizer_step`), in every process
             pending = self._unchecked_loss  # accumulated batches: their sum is finite only if every loss is
             self._unchecked_loss = loss.detach() if pending is None else pending + loss.detach()
-        else:
-            self._check_finite(loss, stage)
+        elif self._non_finite is None and not torch.isfinite(loss):  # said at the epoch's end, by every process
+            self._non_finite = self._loss_error(stage, loss.item())
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)
         if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
             self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
 
-    def _check_finite(self, loss: torch.Tensor, stage: str) -> None:
-        """Stop at once on a NaN or infinite loss, rather than train and log NaN to the end. Reading the loss makes the
-        host wait for the device: the sync-free step does it in `on_before_optimizer_step`, after its backward pass was
-        queued and before the optimizer can write non-finite weights."""
-        if not torch.isfinite(loss):
-            raise CaptionerError(
-                f"{stage}/loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: the model "
-                "overflowed (annotations too large for the decoder, a learning rate too high, or float16 precision: "
-                "try --model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
-            )
+    def _loss_error(self, stage: str, value: float) -> str:
+        return (
+            f"{stage}/loss is {value} at epoch {self.current_epoch}, step {self.global_step}: the model overflowed "
+            "(annotations too large for the decoder, a learning rate too high, or float16 precision: try "
+            "--model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
+        )
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        """Stop on a NaN or infinite training loss, rather than train and log NaN to the end: here, after the backward
+        pass was queued (reading the loss in the step would make the host wait for the device) and before the
+        optimizer can write non-finite weights. Under DDP the losses of every process are summed first, so that all
+        stop together with the same line (a process that stopped alone would leave the others waiting in the next
+        collective until it timed out)."""
         loss, self._unchecked_loss = self._unchecked_loss, None
-        if loss is not None:
-            self._check_finite(loss, "train")
+        if distributed():
+            loss = loss.clone() if loss is not None else torch.zeros((), device=self.device)
+            dist.all_reduce(loss)
+        if loss is not None and not torch.isfinite(loss):
+            raise CaptionerError(self._loss_error("train", loss.item()))
 
     def _self_critical_step(self, batch: dict) -> torch.Tensor:
         """SCST: K captions drawn per image, each rewarded with its CIDEr-D, against a baseline (`captioner.scst`)."""
@@ -336,6 +341,10 @@ class CaptioningModule(L.LightningModule):
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
         that the DistributedSampler repeated to even out the ranks count once. Every rank gets the same values."""
+        problems = [problem for problem in gather([self._non_finite]) if problem]  # every process stops, or none
+        self._non_finite = None
+        if problems:
+            raise CaptionerError(problems[0])
         decoded = {index: rest for index, *rest in gather(self._decoded)}  # a repeated image has the same caption
         self._decoded = []
         hypotheses, references, *per_word = ([decoded[i][field] for i in sorted(decoded)] for field in range(5))

@@ -25,3 +25,28 @@ class StepRecorder(Callback):
             file.write(f"{trainer.current_epoch} {trainer.global_step}\n")
         if trainer.global_step == self.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PoisonBatch(Callback):
+    """Fills one process's input annotations with NaN at one step, as an overflow on one GPU would make them.
+
+    Args:
+        rank: the process whose batch is poisoned.
+        stage: "train" (the training batch of global step `step`) or "val" (the validation batch `step`).
+        step: which batch.
+    """
+
+    def __init__(self, rank: int = 1, stage: str = "train", step: int = 1):
+        self.rank, self.stage, self.step = rank, stage, step
+
+    def _poison(self, trainer, batch, index: int) -> None:
+        if trainer.global_rank == self.rank and index == self.step and "annotations" in batch:
+            batch["annotations"].fill_(float("nan"))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.stage == "train":
+            self._poison(trainer, batch, trainer.global_step)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.stage == "val" and not trainer.sanity_checking:
+            self._poison(trainer, batch, batch_idx)

@@ -9,6 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 import torch
 
@@ -29,11 +32,13 @@ LEARN = ["--trainer.max_epochs=8", "--trainer.limit_train_batches=16", "--model.
 CAPTIONS_PER_IMAGE = 5  # shapes; debug.yaml trains on every (image, caption) pair
 
 
-def captioner(*args: str) -> subprocess.CompletedProcess:
+def captioner(*args: str, status: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`captioner ...` in a process of its own. It returns once every process that shares its output has ended (the
+    other DDP ranks too)."""
     command = [sys.executable, "-m", "captioner.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # two processes on two cores; tests.callbacks
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == status, result.stderr[-3000:]
     return result
 
 
@@ -99,3 +104,18 @@ def test_ddp_scores_the_whole_split_predicts_each_image_once_and_skips_a_rank_s_
     captioner("predict", *tiny_fit_args(tmp_path, *DATA), *DDP, f"--ckpt_path={last}", f"--predictions.output={output}")
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == [i for i in range(15) if i not in (1, 3)]  # each readable image once
+
+
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_a_non_finite_loss_in_one_process_stops_every_process_at_once_with_one_line(tmp_path, stage):
+    """A NaN in rank 1's batch alone: rank 0's loss is finite, yet both stop with the same line, within seconds, rather
+    than rank 0 waiting in a collective for a process that has gone (gloo's timeout is 30 minutes)."""
+    step = 1 if stage == "train" else 0  # a process's second training step, or its one validation batch
+    poison = ["--trainer.callbacks+=tests.callbacks.PoisonBatch", f"--trainer.callbacks.stage={stage}"]
+    poison.append(f"--trainer.callbacks.step={step}")
+    start = time.monotonic()
+    result = captioner("fit", *tiny_fit_args(tmp_path, *poison), *DDP, status=2, timeout=300)
+    assert time.monotonic() - start < 120  # both processes started, trained a step and stopped
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]  # one line from each process
+    assert errors[0].startswith(f"error: {stage}/loss is nan at epoch 0, step ") and "Traceback" not in result.stderr

@@ -23,24 +23,32 @@ def batch(module: CaptioningModule, value: float = 1.0) -> dict:
     return {"annotations": torch.full((2, P, E), value), "captions": captions, "lengths": torch.tensor([5, 3])}
 
 
-def test_a_non_finite_loss_stops_with_one_line_naming_the_likely_causes():
+@pytest.mark.parametrize("fixed_shape", [False, True])  # the shrinking batch and the compiled step's form
+def test_a_non_finite_training_loss_stops_before_the_optimizer_step_with_one_line(fixed_shape):
     model = module()
-    model.training_step(batch(model), 0)  # finite: no error
+    model.model.fixed_shape = fixed_shape
+    model.training_step(batch(model), 0)
+    model.on_before_optimizer_step(None)  # finite: no error
+    model.training_step(batch(model, float("inf")), 0)  # not read in the step: that would make the host wait
     with pytest.raises(CaptionerError) as error:
-        model.training_step(batch(model, float("inf")), 0)
+        model.on_before_optimizer_step(None)  # Lightning's hook after the backward pass, before the optimizer step
     message = str(error.value)
     assert message.startswith("train/loss is nan at epoch 0, step 0: the model overflowed (") and "\n" not in message
     assert "--model.decoder_lr" in message and "--trainer.precision" in message
 
 
-def test_the_sync_free_step_checks_its_loss_before_the_optimizer_step_not_in_the_step():
+def test_a_non_finite_validation_loss_stops_at_the_epoch_s_end():
     model = module()
-    model.model.fixed_shape = True  # the compiled step's form (--model.compile)
-    model.training_step(batch(model, float("inf")), 0)  # no error here: the loss is not read in the step
-    with pytest.raises(CaptionerError, match=r"^train/loss is nan at epoch 0, step 0: the model overflowed"):
-        model.on_before_optimizer_step(None)  # Lightning's hook after the backward pass, before the optimizer step
-    model.training_step(batch(model), 0)
-    model.on_before_optimizer_step(None)  # finite: no error
+    model.validation_step({**batch(model, float("inf")), **decodable(2)}, 0)  # every process decodes to the end
+    with pytest.raises(CaptionerError, match=r"^val/loss is nan at epoch 0, step 0: the model overflowed"):
+        model._decode_epoch_end("val")
+    model.validation_step({**batch(model), **decodable(2)}, 0)
+    model._decode_epoch_end("val")  # the next validation starts afresh
+
+
+def decodable(size: int) -> dict:
+    """What validation needs of a batch besides its inputs and captions."""
+    return {"index": torch.arange(size), "references": [[["a"]]] * size, "objects": [None] * size}
 
 
 def test_a_batch_with_no_readable_image_is_skipped_by_one_process():
