@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 import torch
 
 from captioner.cli import run_lightning_cli
