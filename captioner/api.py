@@ -10,9 +10,6 @@ Loading never unpickles code: checkpoints are read with torch.load(weights_only=
 
 from __future__ import annotations
 
-import inspect
-import pickle
-import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +17,16 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from captioner.checkpoints import build_model, export, model_file
 from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary, detokenize
 from captioner.errors import CaptionerError
-from captioner.files import replace_atomically
-from captioner.models.decoder import AttentionDecoder
 from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}
-EXPORT_FORMAT = "captioner-model/1"
+__all__ = ["CaptionResult", "Captioner", "export"]
 
 
 @dataclass
@@ -44,22 +40,6 @@ class CaptionResult:
     score: float
     grid_hw: tuple[int, int]
     image: Image.Image
-
-
-def _model_kwargs(hparams: dict) -> dict:
-    """The model's options among a checkpoint's hyper-parameters (ShowAttendTell's, and its decoder's)."""
-    names = {*inspect.signature(ShowAttendTell).parameters, *inspect.signature(AttentionDecoder).parameters}
-    names -= {"vocab_size", "encoder_dim", "num_pixels", "decoder_options"}
-    return {k: v for k, v in hparams.items() if k in names}
-
-
-def _read(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CaptionerError(f"{path}: checkpoint not found") from None
-    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, IsADirectoryError):
-        raise CaptionerError(f"{path}: not a PyTorch checkpoint file") from None
 
 
 class Captioner:
@@ -98,38 +78,9 @@ class Captioner:
         path = BUNDLED.get(str(checkpoint), Path(checkpoint))
         if str(checkpoint) in BUNDLED and not path.exists():
             raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
-        state = _read(path)
-        if state.get("format") == EXPORT_FORMAT:
-            hparams, vocab, weights = state["hparams"], state["vocab"], state["state_dict"]
-        elif "hyper_parameters" in state and "state_dict" in state:
-            hparams = state["hyper_parameters"]
-            vocab = hparams.get("vocab")
-            weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-        else:
-            raise CaptionerError(f"{path}: not a captioner checkpoint (no model weights and hyper-parameters)")
-        if not vocab:
-            raise CaptionerError(f"{path}: not a captioner checkpoint (no vocabulary)")
-        # An exported model may leave out a frozen pretrained encoder: its weights then come from the backbone.
-        # Otherwise the checkpoint has every weight, and nothing needs to be downloaded.
-        encoder_included = any(k.startswith("encoder.") for k in weights)
-        kwargs = _model_kwargs(hparams) | {"pretrained": not encoder_included}
-        model = ShowAttendTell(len(vocab), **kwargs)
-        try:
-            model.load_state_dict(weights, strict=encoder_included)
-        except RuntimeError as err:
-            raise CaptionerError(f"{path}: weights do not fit the model ({str(err).splitlines()[0]})") from None
-        if not encoder_included:
-            missing = set(model.state_dict()) - set(weights)
-            if any(not k.startswith("encoder.") for k in missing):
-                raise CaptionerError(f"{path}: decoder weights are incomplete")
-            if "encoder_fingerprint" in state:  # a fit checkpoint records which pretrained weights it was trained with
-                from captioner.data.features import encoder_fingerprint
-
-                if encoder_fingerprint(model.encoder) != state["encoder_fingerprint"]:
-                    raise CaptionerError(
-                        f"{path}: the pretrained encoder weights here are not those it was trained with"
-                    )
-        return cls(model, Vocabulary(vocab), device, compile_decoder)
+        file = model_file(path)
+        model = build_model(file, str(path))
+        return cls(model, Vocabulary(file.vocab), device, compile_decoder)
 
     def iter_captions(
         self,
@@ -195,29 +146,3 @@ class Captioner:
                 grid_hw=self.model.encoder.grid_hw,
                 image=image,
             )
-
-
-def export(checkpoint: str | Path, output: str | Path, include_encoder: bool | None = None) -> Path:
-    """Write a small self-contained model file from a `captioner fit` checkpoint.
-
-    A frozen, pretrained encoder is left out (its weights come from the backbone's own source), which makes the
-    file a few MB; pass include_encoder=True to keep it.
-    """
-    state = _read(Path(checkpoint))
-    if "hyper_parameters" not in state or "state_dict" not in state:
-        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint")
-    hparams = dict(state["hyper_parameters"])
-    frozen = hparams.get("fine_tune_blocks", 0) == 0 and hparams.get("pretrained", True)
-    keep_encoder = include_encoder if include_encoder is not None else not frozen
-    weights = {
-        k.removeprefix("model."): v
-        for k, v in state["state_dict"].items()
-        if k.startswith("model.") and (keep_encoder or not k.startswith("model.encoder."))
-    }
-    vocab = hparams.pop("vocab")
-    hparams = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    model = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": vocab, "state_dict": weights}
-    replace_atomically(output, lambda file: torch.save(model, file))  # a kill mid-write leaves the old file whole
-    return output

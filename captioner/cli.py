@@ -336,11 +336,15 @@ def export_model(argv: list[str]) -> None:
     parser = _parser(export_model)
     _add_checkpoint(parser, "a checkpoint written by `captioner fit`")
     parser.add_argument("--output", required=True, metavar="PATH", help="the model file to write")
-    parser.add_argument("--include-encoder", action="store_true", help="keep a frozen pretrained encoder's weights")
+    parser.add_argument(
+        "--include-encoder",
+        action="store_true",
+        help="keep the encoder's weights even when they are its pretrained source's (left out by default)",
+    )
     args = parser.parse_args(argv)
-    from captioner.api import export
+    from captioner.checkpoints import export
 
-    path = export(args.checkpoint, args.output, include_encoder=args.include_encoder or None)
+    path = export(args.checkpoint, args.output, include_encoder=args.include_encoder)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 

@@ -7,10 +7,8 @@ Lightning (about a second on a 2-core machine).
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +20,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from captioner.checkpoints import FINGERPRINT, read
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
-from captioner.lit_module import ENCODER_FINGERPRINT, CaptioningModule, gather
+from captioner.lit_module import CHECKPOINT, CaptioningModule, gather
 
 # A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
 warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
@@ -215,16 +214,16 @@ class CaptionerCLI(LightningCLI):
 
 def load_module(checkpoint: str) -> CaptioningModule:
     """Load a CaptioningModule checkpoint, turning a missing or foreign file into a one-line error."""
-    if not Path(checkpoint).is_file():
-        raise CaptionerError(f"{checkpoint}: checkpoint not found")
+    state = read(checkpoint)  # a missing or foreign file is named in one line
+    if "hyper_parameters" not in state or "state_dict" not in state:
+        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not written by `captioner fit`)")
     try:
         # A checkpoint that holds its encoder's weights needs no pretrained ones, only to overwrite them; one that left
-        # them out (a frozen pretrained encoder) has them rebuilt from their source.
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-        options = {} if ENCODER_FINGERPRINT in state else {"pretrained": False}
+        # them out has them rebuilt from their source.
+        options = {} if FINGERPRINT in state else {"pretrained": False}
         return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu", **options)
-    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile):
-        raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
+    except CaptionerError as err:  # from the module's on_load_checkpoint, which cannot know the file's name
+        raise CaptionerError(str(err).replace(CHECKPOINT, checkpoint, 1)) from None
     except (KeyError, RuntimeError, TypeError, ValueError) as err:
         detail = (str(err).strip().splitlines() or [""])[0][:100]
         raise CaptionerError(f"{checkpoint}: not a captioner checkpoint ({type(err).__name__}: {detail})") from None

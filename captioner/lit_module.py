@@ -9,16 +9,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
+from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
 from captioner.data.shapes import attention_ceiling, attention_correctness
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError, ConfigError
 from captioner.metrics import bleu, cider
 from captioner.models.show_attend_tell import ShowAttendTell, self_critical_loss
-from captioner.scst import SelfCritical, check_options, initial_weights
+from captioner.scst import SelfCritical, check_options
 
+CHECKPOINT = "the checkpoint"  # how a checkpoint loaded without a Trainer is named in errors (its path is not known)
 LR_SCHEDULES = ("plateau", "cosine", "none")
 COMPILE_CHOICES = ("auto", "true", "false")
-ENCODER_FINGERPRINT = "encoder_fingerprint"  # in a checkpoint that leaves out its frozen pretrained encoder
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
 
 
@@ -151,64 +152,32 @@ class CaptioningModule(L.LightningModule):
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._decoded: list[tuple] = []  # (image index, words, references, attention masses, baselines, ceilings)
         self._resumed_rng_states: dict | None = None
-        self._fingerprint: str | None = None
         self._self_critical: SelfCritical | None = None  # the training split's rewards, built when a fit starts
         self._unchecked_loss: torch.Tensor | None = None  # the training losses since the last optimizer step
         self._non_finite: str | None = None  # the first non-finite loss of this validation or test, said at its end
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
-        Leave out a frozen pretrained encoder's weights, which loading rebuilds bit for bit from their source (the
-        fingerprint checks it): they would ride in every checkpoint unchanged."""
+        Leave out the encoder's weights when they are its pretrained source's, which loading rebuilds bit for bit
+        (`captioner.checkpoints`): they would ride in every checkpoint unchanged."""
         checkpoint["rng_states"] = gather([rng_states()])
-        if self._encoder_rebuildable():
-            state = checkpoint["state_dict"]
-            for key in [key for key in state if key.startswith("model.encoder.")]:
-                del state[key]
-            checkpoint[ENCODER_FINGERPRINT] = self._encoder_fingerprint()
+        weights, fingerprint = without_encoder(checkpoint["state_dict"], self.model.encoder, prefix="model.")
+        if fingerprint is not None:
+            checkpoint["state_dict"], checkpoint[FINGERPRINT] = weights, fingerprint
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng_states" in checkpoint:  # put back in on_fit_start: only a resumed fit must continue the sequence
             states = checkpoint["rng_states"]
             self._resumed_rng_states = states[self.global_rank % len(states)]
-        if ENCODER_FINGERPRINT in checkpoint:  # the encoder's weights were left out: this module's are the same
-            if checkpoint[ENCODER_FINGERPRINT] != self._encoder_fingerprint():
-                name = self.model.encoder.name
-                raise CaptionerError(
-                    f"the {name} weights here are not those the checkpoint was trained with (it left out its frozen "
-                    "pretrained encoder's weights, to be rebuilt from their source): install the same"
-                )
-            encoder = {f"model.encoder.{key}": value for key, value in self.model.encoder.state_dict().items()}
-            checkpoint["state_dict"] = {**checkpoint["state_dict"], **encoder}
-
-    def _encoder_rebuildable(self) -> bool:
-        """A frozen encoder with pretrained weights: its weights are the backbone's own, unchanged by training."""
-        return self.model.encoder.frozen and bool(self.hparams.get("pretrained", True))
-
-    def _encoder_fingerprint(self) -> str:
-        if self._fingerprint is None:  # the frozen encoder does not change: hashed once
-            from captioner.data.features import encoder_fingerprint
-
-            self._fingerprint = encoder_fingerprint(self.model.encoder)
-        return self._fingerprint
+        weights, fingerprint = checkpoint["state_dict"], checkpoint.get(FINGERPRINT)
+        name = str(self._trainer.ckpt_path) if self._trainer is not None and self._trainer.ckpt_path else CHECKPOINT
+        checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.")
 
     def setup(self, stage: str) -> None:
-        # Before Lightning restores a checkpoint: a resumed run then gets its own weights, not init_from's.
+        # Before Lightning restores a checkpoint: a resumed run then gets its own weights, not init_from's. (The
+        # datamodule's loaders, and so its feature cache, are made later: from these weights.)
         if stage == "fit" and self.hparams.init_from:
-            self._initialise(self.hparams.init_from)
-
-    def _initialise(self, path: str) -> None:
-        """Start from `path`'s weights (`init_from`): same vocabulary, same architecture, or a one-line error."""
-        weights, fingerprint = initial_weights(path, self.vocab.to_list())
-        if not any(key.startswith("encoder.") for key in weights):  # a frozen pretrained encoder, left out
-            if fingerprint is not None and fingerprint != self._encoder_fingerprint():
-                raise CaptionerError(f"--model.init_from {path}: trained with other {self.model.encoder.name} weights")
-            weights = {**{f"encoder.{k}": v for k, v in self.model.encoder.state_dict().items()}, **weights}
-        try:
-            self.model.load_state_dict(weights)
-        except RuntimeError as err:  # torch's first line is a header; the next names the first misfit
-            detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))[:200]
-            raise CaptionerError(f"--model.init_from {path}: its model does not fit the config's ({detail})") from None
+            load_initial_weights(self.model, self.hparams.init_from, self.vocab.to_list())
 
     def compiles_step(self) -> bool:
         """Whether training uses the compiled fixed-shape step (`compile`): auto means on CUDA."""

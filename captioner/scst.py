@@ -10,12 +10,11 @@ fresh optimizer and schedule: not a resume.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from captioner.cider import CiderD
-from captioner.errors import CaptionerError, ConfigError
+from captioner.errors import ConfigError
 
 OBJECTIVES = ("xe", "scst")
 BASELINES = ("others", "greedy")
@@ -54,30 +53,3 @@ def check_options(objective: str, samples: int, baseline: str, attention_mode: s
         raise ConfigError(f"scst_samples must be at least 2 for the {baseline!r} baseline, got {samples}")
     if objective == "scst" and attention_mode != "soft":
         raise ConfigError("objective scst needs soft attention: hard attention's own REINFORCE is not combined with it")
-
-
-def initial_weights(path: str | Path, vocab: list[str]) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The model weights (and the frozen encoder's fingerprint, if it left them out) of a `captioner fit` checkpoint
-    or `captioner export` file, checked against the vocabulary of the run they start. One-line errors name both."""
-    path = Path(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CaptionerError(f"--model.init_from {path}: checkpoint not found") from None
-    except Exception as err:  # a file torch cannot read (torch raises many kinds): the user's to fix, in one line
-        raise CaptionerError(f"--model.init_from {path}: not a PyTorch checkpoint ({type(err).__name__})") from None
-    if not isinstance(state, dict) or "state_dict" not in state:
-        raise CaptionerError(f"--model.init_from {path}: not a captioner checkpoint")
-    if "hyper_parameters" in state:  # a fit checkpoint
-        theirs = state["hyper_parameters"].get("vocab") or []
-        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    else:  # an exported model
-        theirs, weights = state.get("vocab") or [], state["state_dict"]
-    if list(theirs) != list(vocab):
-        pairs = enumerate(zip(theirs, vocab, strict=False))  # the shorter one's length if one is the other's start
-        first = next((i for i, (a, b) in pairs if a != b), min(len(theirs), len(vocab)))
-        raise CaptionerError(
-            f"--model.init_from {path}: its vocabulary ({len(theirs)} words) is not the data's ({len(vocab)} words; "
-            f"they part at id {first}): start from a checkpoint trained on the same data"
-        )
-    return weights, state.get("encoder_fingerprint")

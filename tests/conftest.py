@@ -42,7 +42,7 @@ def tiny_fit_args(tmp_path, *extra: str) -> list[str]:
 def tiny_model(tmp_path_factory) -> str:
     """A seconds-long debug training run, exported as a model file (path); its checkpoint is
     <parent>/checkpoints/best.ckpt."""
-    from captioner.api import export
+    from captioner.checkpoints import export
     from captioner.cli import main
 
     root = tmp_path_factory.mktemp("tiny_model")

@@ -60,7 +60,7 @@ def test_loading_a_foreign_file_is_a_clear_error(tmp_path):
 
 
 def test_an_export_killed_mid_write_leaves_the_previous_file_whole(tiny_model, tmp_path, monkeypatch):
-    from captioner.api import export
+    from captioner.checkpoints import export
 
     checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
     output = export(checkpoint, tmp_path / "model.pt")

@@ -110,10 +110,10 @@ def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_
     result = run_cli("demo", "--ckpt_path", str(tmp_path / "other.ckpt"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        "error: the efficientnet_lite0 weights here are not those the checkpoint was trained with (it left out its "
-        "frozen pretrained encoder's weights, to be rebuilt from their source): install the same"
+        f"error: {tmp_path / 'other.ckpt'}: it left out its efficientnet_lite0 weights, to be rebuilt from their "
+        "pretrained source, and the efficientnet_lite0 weights here are not those it was trained with: install the same"
     )
-    with pytest.raises(CaptionerError, match=r"other\.ckpt: the pretrained encoder weights here are not those"):
+    with pytest.raises(CaptionerError, match=r"other\.ckpt: it left out its efficientnet_lite0 weights, to be rebuilt"):
         Captioner.load(tmp_path / "other.ckpt")
 
 

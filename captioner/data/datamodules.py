@@ -65,14 +65,15 @@ class CaptionDataset(Dataset):
 
     def __init__(
         self,
-        inputs: _Inputs,
+        source: CaptionSource,
         captions: list[list[list[int]]],
         references: list[list[list[str]]],
         mode: str,
         objects: list | None = None,
     ):
-        self.inputs, self.captions, self.references, self.mode = inputs, captions, references, mode
+        self.source, self.captions, self.references, self.mode = source, captions, references, mode
         self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
+        self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
         self.items = [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
 
     def __len__(self) -> int:
@@ -93,7 +94,7 @@ class CaptionDataset(Dataset):
             "caption": torch.tensor(self.captions[image][caption]),
             "references": self.references[image],
             "objects": self.objects[image] if self.objects is not None else None,
-            "canvas": getattr(self.inputs.source, "image_size", None),
+            "canvas": getattr(self.source, "image_size", None),
             "key": self.inputs.key,
         }
 
@@ -124,8 +125,9 @@ class CaptionDataModule(L.LightningDataModule):
     """Base class: subclasses say how to make each split (`make_split`); this class builds the vocabulary from the
     training split, the feature cache (when the model's encoder is frozen) and the loaders.
 
-    The encoder is the model's own: under a Trainer it is taken from the LightningModule in `setup`; without one,
-    pass it to `set_encoder` first.
+    The encoder is the model's own: under a Trainer it is taken from the LightningModule when the loaders are made
+    (after the model's own setup and any checkpoint restore: the cache holds what the model's encoder gives); without
+    a Trainer, pass it to `set_encoder` first.
 
     Args:
         data_dir: where the data, its vocabulary and the feature cache live.
@@ -202,24 +204,28 @@ class CaptionDataModule(L.LightningDataModule):
         if self.encoder is None and self.trainer is not None:
             self.encoder = self.trainer.lightning_module.model.encoder
         if self.encoder is None:
-            raise RuntimeError("no encoder: run under a Trainer, or call set_encoder(encoder) before setup()")
+            raise RuntimeError("no encoder: run under a Trainer, or call set_encoder(encoder) before making a loader")
         return self.encoder
 
     def _dataset(self, split: str, mode: str) -> CaptionDataset:
         source = self.split(split)
         if getattr(source, "summary", None):  # what was skipped, said once, by the split that is used
             log.warning(source.summary)
-        encoder = self._model_encoder()
-        features = None
-        augment = self.augment and split == "train"
-        if self.feature_cache and encoder.frozen and not augment:
-            features = self._feature_cache(source, encoder)
-        inputs = _Inputs(source, features, encoder.preprocessing.transforms(augment))
         texts = [source.captions(i) for i in range(len(source))]
         captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
         references = [[tokenize(t) for t in caps] for caps in texts]
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
-        return CaptionDataset(inputs, captions, references, mode, objects)
+        return CaptionDataset(source, captions, references, mode, objects)
+
+    def _inputs(self, split: str) -> _Inputs:
+        """What the model reads of the split's images: the frozen encoder's cached annotations (the cache built first
+        if missing), or else the preprocessed images."""
+        source, encoder = self.split(split), self._model_encoder()
+        augment = self.augment and split == "train"
+        features = None
+        if self.feature_cache and encoder.frozen and not augment:
+            features = self._feature_cache(source, encoder)
+        return _Inputs(source, features, encoder.preprocessing.transforms(augment))
 
     def _feature_cache(self, source: CaptionSource, encoder: Encoder) -> FeatureCache | None:
         """The split's feature cache, built first if it is missing or damaged; None if it cannot be written.
@@ -261,6 +267,11 @@ class CaptionDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         dataset = self.datasets[split]
+        if dataset.inputs is None:
+            # Here, not in setup: Lightning sets the datamodule up before the model, whose setup loads `init_from`'s
+            # weights, and before a resumed run's checkpoint is restored. The cache holds the annotations of the
+            # encoder that is trained and saved: the one the model has now.
+            dataset.inputs = self._inputs(split)
         workers = 0 if dataset.inputs.key == "annotations" else self.num_workers
         return DataLoader(
             dataset,

@@ -52,15 +52,6 @@ class ImageSource(Protocol):
     def load_image(self, index: int) -> Image.Image: ...
 
 
-def encoder_fingerprint(encoder: Encoder) -> str:
-    """Hash of the encoder's name, preprocessing, grid and every weight and buffer."""
-    digest = hashlib.sha256(f"{encoder.name}|{encoder.preprocessing}|{encoder.grid_hw}".encode())
-    for name, tensor in sorted(encoder.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 class _Images(Dataset):
     def __init__(self, source: ImageSource, transform):
         self.source, self.transform = source, transform
@@ -111,7 +102,7 @@ class FeatureCache:
 
     def __init__(self, root: str | Path, encoder: Encoder, source: ImageSource):
         self.encoder, self.source = encoder, source
-        key = hashlib.sha256(f"{encoder_fingerprint(encoder)}|{source.identity}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{encoder.fingerprint()}|{source.identity}".encode()).hexdigest()[:16]
         self.dir = Path(root) / f"{source.identity}-{encoder.name}-{key}"
         self.path = self.dir / "annotations.npy"
         self.meta = self.dir / "meta.json"

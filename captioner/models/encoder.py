@@ -7,6 +7,7 @@ exactly as the backbone was trained.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import socket
 import urllib.error
@@ -255,6 +256,18 @@ class Encoder(nn.Module):
         self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
         self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()
         self.fine_tune(0)
+        # The weights as their pretrained source gives them: a model file may leave out weights equal to these, which
+        # loading rebuilds (captioner.checkpoints). None when built without them.
+        self.source_fingerprint = self.fingerprint() if pretrained else None
+
+    def fingerprint(self) -> str:
+        """A hash of the encoder's name, preprocessing, grid and every weight and buffer: what its annotations of an
+        image depend on."""
+        digest = hashlib.sha256(f"{self.name}|{self.preprocessing}|{self.grid_hw}".encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
 
     @property
     def num_pixels(self) -> int:

@@ -33,6 +33,7 @@ def cached_module(data_dir, encoder) -> tuple[ShapesDataModule, FeatureCache]:
     module = ShapesDataModule(str(data_dir), train_size=4, val_size=4, test_size=4, num_workers=0)
     module.set_encoder(encoder)
     module.setup("validate")
+    module.val_dataloader()  # the cache is built with the loader, from the encoder the model has then
     return module, FeatureCache(data_dir / "features", encoder, module.split("val"))
 
 

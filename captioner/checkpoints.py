@@ -1,0 +1,184 @@
+"""Every read and write of a model file: `captioner fit` checkpoints, `captioner export` files, and `init_from`.
+
+A file may leave out its encoder's weights when they are those of the encoder's pretrained source (ImageNet weights,
+installed with the package or in torch's cache), which loading rebuilds bit for bit: they would ride in every
+checkpoint unchanged. Whether they are is decided in one place, `encoder_left_out`, by comparing the weights with the
+source's (their fingerprints, `Encoder.fingerprint`), never by a flag such as "frozen": a frozen encoder started from
+a fine-tuned checkpoint is not its source. The file then records the fingerprint, and loading checks it
+(`with_encoder`). Files are read with torch.load(weights_only=True): loading never unpickles code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from captioner.errors import CaptionerError, WeightsUnavailableError
+from captioner.files import replace_atomically
+from captioner.models.decoder import AttentionDecoder
+from captioner.models.encoder import Encoder
+from captioner.models.show_attend_tell import ShowAttendTell
+
+FINGERPRINT = "encoder_fingerprint"  # in a file that leaves out its encoder: the fingerprint of the weights left out
+EXPORT_FORMAT = "captioner-model/1"
+ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
+
+
+def read(path: str | Path, name: str | None = None) -> dict:
+    """A model file's contents; a missing or foreign file is a one-line error naming it (as `name`, if given)."""
+    name = name or str(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CaptionerError(f"{name}: checkpoint not found") from None
+    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, IsADirectoryError, ValueError):
+        raise CaptionerError(f"{name}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
+    if not isinstance(state, dict):
+        raise CaptionerError(f"{name}: not a captioner checkpoint")
+    return state
+
+
+def encoder_left_out(encoder: Encoder) -> str | None:
+    """The fingerprint a file records when it leaves out `encoder`'s weights: they are its pretrained source's. None
+    when they are not (fine-tuned, started from another file, or built without a source), and must be written."""
+    source = encoder.source_fingerprint
+    return source if source is not None and encoder.fingerprint() == source else None
+
+
+def without_encoder(weights: dict, encoder: Encoder, prefix: str = "") -> tuple[dict, str | None]:
+    """`weights` (a state_dict whose encoder's keys start with prefix + "encoder.") without the encoder's when it can
+    be left out, and the fingerprint to record (None: kept)."""
+    fingerprint = encoder_left_out(encoder)
+    if fingerprint is None:
+        return weights, None
+    return {k: v for k, v in weights.items() if not k.startswith(prefix + ENCODER)}, fingerprint
+
+
+def with_encoder(weights: dict, encoder: Encoder, fingerprint: str | None, name: str, prefix: str = "") -> dict:
+    """`weights` completed with `encoder`'s own where the file left its encoder out, after checking that they are the
+    ones it left out (`fingerprint`; a file without one predates it and is taken as it is)."""
+    if any(k.startswith(prefix + ENCODER) for k in weights):
+        return weights
+    if fingerprint is not None and fingerprint != encoder.fingerprint():
+        raise CaptionerError(
+            f"{name}: it left out its {encoder.name} weights, to be rebuilt from their pretrained source, and the "
+            f"{encoder.name} weights here are not those it was trained with: install the same"
+        )
+    return {**{prefix + ENCODER + k: v for k, v in encoder.state_dict().items()}, **weights}
+
+
+@dataclass
+class ModelFile:
+    """What a fit checkpoint or an exported file holds of its model."""
+
+    hparams: dict
+    vocab: list[str]
+    weights: dict[str, torch.Tensor]  # ShowAttendTell's state_dict, maybe without its encoder
+    fingerprint: str | None  # of the encoder weights it left out, if it did and says so
+
+    @property
+    def has_encoder(self) -> bool:
+        return any(k.startswith(ENCODER) for k in self.weights)
+
+
+def model_file(path: str | Path, name: str | None = None) -> ModelFile:
+    """Read a `captioner fit` checkpoint or a `captioner export` file (one-line errors naming it)."""
+    name = name or str(path)
+    state = read(path, name)
+    if state.get("format") == EXPORT_FORMAT:
+        hparams, vocab, weights = state["hparams"], state["vocab"], state["state_dict"]
+    elif "hyper_parameters" in state and "state_dict" in state:
+        hparams = state["hyper_parameters"]
+        vocab = hparams.get("vocab")
+        weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    else:
+        raise CaptionerError(f"{name}: not a captioner checkpoint (no model weights and hyper-parameters)")
+    if not vocab:
+        raise CaptionerError(f"{name}: not a captioner checkpoint (no vocabulary)")
+    return ModelFile(dict(hparams), list(vocab), weights, state.get(FINGERPRINT))
+
+
+def model_options(hparams: dict) -> dict:
+    """The model's options among a checkpoint's hyper-parameters (ShowAttendTell's, and its decoder's)."""
+    names = {*inspect.signature(ShowAttendTell).parameters, *inspect.signature(AttentionDecoder).parameters}
+    names -= {"vocab_size", "encoder_dim", "num_pixels", "decoder_options"}
+    return {k: v for k, v in hparams.items() if k in names}
+
+
+def build_model(file: ModelFile, name: str) -> ShowAttendTell:
+    """The model a file describes, with its weights. A file that holds its encoder's weights needs no pretrained
+    source; one that left them out has them rebuilt from it, and checked."""
+    model = ShowAttendTell(len(file.vocab), **model_options(file.hparams) | {"pretrained": not file.has_encoder})
+    weights = with_encoder(file.weights, model.encoder, file.fingerprint, name)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise CaptionerError(f"{name}: its weights do not fit its model ({first_misfit(err)})") from None
+    return model
+
+
+def first_misfit(err: RuntimeError) -> str:
+    """The first line of load_state_dict's error that names a weight (its first line is a header)."""
+    return next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))[:200]
+
+
+def load_initial_weights(model: ShowAttendTell, path: str | Path, vocab: list[str]) -> None:
+    """`init_from`: start `model` from the weights of a fit checkpoint or exported file, encoder included (fine-tuned
+    or not: the file's weights are the run's). Its vocabulary must be `vocab`, and its architecture the model's; else a
+    one-line error naming both."""
+    name = f"--model.init_from {path}"
+    file = model_file(path, name)
+    if file.vocab != list(vocab):
+        pairs = enumerate(zip(file.vocab, vocab, strict=False))  # the shorter one's length if one is the other's start
+        first = next((i for i, (a, b) in pairs if a != b), min(len(file.vocab), len(vocab)))
+        raise CaptionerError(
+            f"{name}: its vocabulary ({len(file.vocab)} words) is not the data's ({len(vocab)} words; they part at id "
+            f"{first}): start from a checkpoint trained on the same data"
+        )
+    weights = with_encoder(file.weights, model.encoder, file.fingerprint, name)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise CaptionerError(f"{name}: its model does not fit the config's ({first_misfit(err)})") from None
+
+
+def _source_encoder(file: ModelFile) -> Encoder | None:
+    """The file's encoder built from its pretrained source, or None where that source is not on this machine."""
+    options = model_options(file.hparams)
+    names = inspect.signature(Encoder).parameters.keys() - {"pretrained"}
+    try:
+        return Encoder(**{k: v for k, v in options.items() if k in names}, pretrained=True)
+    except WeightsUnavailableError:
+        return None
+
+
+def export(checkpoint: str | Path, output: str | Path, include_encoder: bool = False) -> Path:
+    """Write a small self-contained model file (what `Captioner.load` reads) from a `captioner fit` checkpoint.
+
+    The encoder's weights are left out when they are its pretrained source's (`encoder_left_out`): the file is then a
+    few MB, and loading rebuilds them. `include_encoder` keeps them in any case.
+    """
+    file = model_file(checkpoint)
+    weights, fingerprint = file.weights, file.fingerprint
+    if include_encoder or file.has_encoder:
+        encoder = _source_encoder(file)
+        if encoder is not None:
+            weights = with_encoder(weights, encoder, fingerprint, str(checkpoint))
+            encoder.load_state_dict({k.removeprefix(ENCODER): v for k, v in weights.items() if k.startswith(ENCODER)})
+            if not include_encoder:
+                weights, fingerprint = without_encoder(weights, encoder)
+        elif not file.has_encoder:
+            raise CaptionerError(f"{checkpoint}: its encoder's pretrained weights are not on this machine to include")
+    hparams = {k: v for k, v in file.hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    model = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": file.vocab, "state_dict": weights}
+    if fingerprint is not None and not any(k.startswith(ENCODER) for k in weights):
+        model[FINGERPRINT] = fingerprint
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(output, lambda out: torch.save(model, out))  # a kill mid-write leaves the old file whole
+    return output
