@@ -27,6 +27,7 @@ from captioner.models.show_attend_tell import ShowAttendTell
 FINGERPRINT = "encoder_fingerprint"  # in a file that leaves out its encoder: the fingerprint of the weights left out
 EXPORT_FORMAT = "captioner-model/1"
 ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
+BASELINE = "reward_baseline"  # hard attention's running baseline b (a buffer)
 
 
 def read(path: str | Path, name: str | None = None) -> dict:
@@ -141,10 +142,18 @@ def load_initial_weights(model: ShowAttendTell, path: str | Path, vocab: list[st
             f"{first}): start from a checkpoint trained on the same data"
         )
     weights = with_encoder(file.weights, model.encoder, file.fingerprint, name)
+    # Hard attention's running baseline b is training state, not a weight: a hard-attention run may start from a
+    # soft-attention file (b starts at 0), and a soft run from a hard one (b is left behind).
+    weights = {k: v for k, v in weights.items() if k != BASELINE}
     try:
-        model.load_state_dict(weights)
-    except RuntimeError as err:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # a weight of another shape
         raise CaptionerError(f"{name}: its model does not fit the config's ({first_misfit(err)})") from None
+    missing = [k for k in missing if k != BASELINE]
+    if missing or unexpected:
+        raise CaptionerError(
+            f"{name}: its model does not fit the config's (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def _source_encoder(file: ModelFile) -> Encoder | None:

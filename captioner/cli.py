@@ -89,18 +89,19 @@ def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     from jsonargparse import ArgumentError
 
     from captioner.data.datamodules import CaptionDataModule
-    from captioner.lightning_cli import CaptionerCLI
+    from captioner.lightning_cli import CaptionerCLI, no_advertisements
     from captioner.lit_module import CaptioningModule
 
     try:
-        return CaptionerCLI(
-            CaptioningModule,
-            CaptionDataModule,
-            subclass_mode_data=True,
-            args=None if argv == sys.argv[1:] else argv,
-            parser_kwargs={"exit_on_error": False},
-            save_config_kwargs={"overwrite": True},
-        )
+        with no_advertisements():
+            return CaptionerCLI(
+                CaptioningModule,
+                CaptionDataModule,
+                subclass_mode_data=True,
+                args=None if argv == sys.argv[1:] else argv,
+                parser_kwargs={"exit_on_error": False},
+                save_config_kwargs={"overwrite": True},
+            )
     except ArgumentError as err:  # a mistake on the command line or in the config
         raise ConfigError(str(err)) from None
 
@@ -427,7 +428,9 @@ def main(argv: list[str] | None = None) -> None:
             run_lightning_cli(argv)
     except CaptionerError as err:
         message = str(err).strip().splitlines()
-        print(f"error: {message[0] if message else type(err).__name__}", file=sys.stderr)
+        # One write of the whole line: the processes of a DDP run share the stream, and each says it
+        sys.stderr.write(f"error: {message[0] if message else type(err).__name__}\n")
+        sys.stderr.flush()
         sys.exit(2)
 
 

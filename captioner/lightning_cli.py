@@ -6,9 +6,12 @@ Lightning (about a second on a 2-core machine).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,29 @@ warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the st
 warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval Trainer\(log_every_n_steps.*")
 # Raised inside Lightning by newer torch versions; nothing a user of captioner can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+# Where Lightning logs its rank-zero messages (the fabric and pytorch packages each point the same helpers at theirs)
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+@contextlib.contextmanager
+def no_advertisements() -> Iterator[None]:
+    """Leave out of a command's output the "💡 Tip" lines with which Lightning advertises its cloud products; every
+    other message stays. The filter is removed afterwards."""
+    loggers, tips = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS], _NoTips()
+    for logger in loggers:
+        logger.addFilter(tips)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(tips)
 
 
 @rank_zero_only

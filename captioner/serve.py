@@ -20,6 +20,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -39,6 +40,7 @@ STATIC = Path(__file__).parent / "static"
 MAX_BEAM_SIZE = 10
 MULTIPART_SLACK = 2**16  # bytes of form fields and part headers allowed beside an image of the largest size
 MERGED = 2**20  # bytes of a request body handed on at a time
+CLOSE = (b"connection", b"close")
 
 
 class BodyRefused(Exception):
@@ -52,14 +54,17 @@ class BoundedBodies:
     or one that stalls, costs at most the limit's bytes and `timeout` seconds; a declared Content-Length over the
     limit is refused before anything is read."""
 
-    def __init__(self, app, max_upload_mb: float, timeout: float):
+    def __init__(self, app, max_upload_mb: float, timeout: float, heads: set | None = None):
         self.app, self.timeout = app, timeout
         self.limit = int(max_upload_mb * 2**20) + MULTIPART_SLACK
         self.over = f"over the {max_upload_mb:g} MB limit"
+        self.heads = heads if heads is not None else set()  # the clients whose request head arrived (`HeadDeadline`)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("client"):
+            self.heads.add(tuple(scope["client"]))
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"").decode("latin-1")
         if declared.isdigit() and int(declared) > self.limit:
@@ -70,7 +75,7 @@ class BoundedBodies:
             nonlocal received, refusal, complete
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 refusal = (408, f"no part of the upload arrived for {self.timeout:g} s")
                 raise BodyRefused from None
             received += len(message.get("body", b""))
@@ -84,6 +89,8 @@ class BoundedBodies:
             if complete:  # after the body, a wait for the client's disconnect: no deadline
                 return await receive()
             message = await receive_part()
+            if message["type"] != "http.request":  # the client left: said as it is, not as the body's end
+                return message
             # The parts of a body that have arrived, given as one, up to MERGED bytes: the form parser writes a spooled
             # upload to disk through a thread once per part, and the server's part is 64 KiB at most.
             parts = [message.get("body", b"")]
@@ -98,6 +105,9 @@ class BoundedBodies:
             nonlocal started
             if refusal is None:  # once refused, the app's own answer (a parse error, say) is not sent
                 started = True
+                headers = message.get("headers", [])
+                if message["type"] == "http.response.start" and all(k.lower() != CLOSE[0] for k, _ in headers):
+                    message = {**message, "headers": [*headers, CLOSE]}  # one request per connection (`HeadDeadline`)
                 await send(message)
 
         try:
@@ -113,43 +123,36 @@ async def refuse(send, status: int, message: str) -> None:
     """Answer a request with `{"error": message}` and close the connection (its body is not read further)."""
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": [*headers, (b"connection", b"close")]})
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, CLOSE]})
     await send({"type": "http.response.body", "body": body})
 
 
-class BoundedProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head and a cap on open connections.
+class HeadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request head has not arrived `timeout` seconds after it
+    opened. No uvicorn setting does this: its keep-alive timer starts after a response, and the first byte of the next
+    request stops it, so a client that sends half a head, or nothing, would hold its connection for ever.
 
-    A connection that has not sent a whole request head `timeout` seconds after it opened, or after its last response,
-    is closed: uvicorn's keep-alive timer alone is cancelled by the first byte, so a client that sent half a head
-    would hold its connection forever. A connection opened while `max_connections` others are open gets a 503 for
-    its request. (uvicorn's own `limit_concurrency` answers in plain text; every error here is one line of JSON.)
+    It overrides asyncio.Protocol's `connection_made` alone and uses only the transport's documented methods; which
+    heads arrived, `BoundedBodies` says (the ASGI scope's client). Every response closes its connection
+    (`Connection: close`), so a connection carries one request and one head. The number of connections is uvicorn's
+    own setting (`limit_concurrency`). Tested with the uvicorn versions pyproject.toml allows.
     """
 
     timeout = 30.0
-    max_connections = 256
+    heads: ClassVar[set] = set()  # one per server (`serve`): the clients whose head arrived, said by BoundedBodies
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            self.app = self._busy
-        self._arm_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_timer()
-
-    def _arm_head_timer(self) -> None:
-        cycle = self.cycle  # a new request head makes a new cycle
+        peer = transport.get_extra_info("peername")
+        client = tuple(peer[:2]) if isinstance(peer, (tuple, list)) else peer  # (host, port), as the ASGI scope says
 
         def expire() -> None:
-            if self.cycle is cycle and not self.transport.is_closing():
-                self.transport.close()
+            if client in self.heads:
+                self.heads.discard(client)
+            elif not transport.is_closing():
+                transport.close()
 
-        self.loop.call_later(self.timeout, expire)
-
-    async def _busy(self, scope, receive, send) -> None:
-        await refuse(send, 503, f"the server is busy: {self.max_connections} connections are open; try again later")
+        asyncio.get_running_loop().call_later(self.timeout, expire)
 
 
 class Batcher:
@@ -227,7 +230,8 @@ def create_app(
     examples = example_images()
     # No /docs, /redoc or /openapi.json: their pages load scripts from a CDN, and the API is the one route below.
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout)
+    app.state.heads = set()  # the clients whose request head arrived, for `HeadDeadline`
+    app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout, heads=app.state.heads)
 
     def error(message: str, status: int = 400) -> JSONResponse:
         # The connection is closed after an error: what is left of the body, if any, is not read.
@@ -313,6 +317,6 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")
     print(f"captioner serve: {checkpoint} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
-    # Idle keep-alive connections close after `timeout` s too.
-    protocol = type("BoundedProtocol", (BoundedProtocol,), {"timeout": timeout, "max_connections": max_connections})
-    uvicorn.run(app, host=host, port=port, log_level="info", http=protocol, timeout_keep_alive=int(timeout))
+    protocol = type("HeadDeadline", (HeadDeadline,), {"timeout": timeout, "heads": app.state.heads})
+    # A connection opened while `max_connections` others are open gets uvicorn's 503.
+    uvicorn.run(app, host=host, port=port, log_level="info", http=protocol, limit_concurrency=max_connections + 1)

@@ -116,5 +116,5 @@ def test_a_non_finite_loss_in_one_process_stops_every_process_at_once_with_one_l
     result = captioner("fit", *tiny_fit_args(tmp_path, *poison), *DDP, status=2, timeout=300)
     assert time.monotonic() - start < 120  # both processes started, trained a step and stopped
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]  # one line from each process
-    assert errors[0].startswith(f"error: {stage}/loss is nan at epoch 0, step ") and "Traceback" not in result.stderr
+    assert errors and errors[0].startswith(f"error: {stage}/loss is nan at epoch 0, step "), result.stderr[-3000:]
+    assert result.stderr.count(errors[0]) == 2 and "Traceback" not in result.stderr  # the same line from each

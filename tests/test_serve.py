@@ -3,6 +3,7 @@ clients, and the page in a real browser (Debian's Chromium driven by Playwright)
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
@@ -15,9 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from captioner import serve
 from captioner.api import Captioner
 from captioner.cli import main
 from captioner.data.shapes import ShapesDataset
+from captioner.serve import BoundedBodies
 from tests.images import png_claiming
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -34,12 +37,12 @@ TIMEOUT = 2  # the server's --timeout: seconds a stalled client keeps its connec
 
 @pytest.fixture(scope="module")
 def server():
-    """`captioner serve` with the bundled model, a 1 MB upload limit, a 1 megapixel image limit and a 2 s timeout;
-    yields its base URL."""
+    """`captioner serve` with the bundled model, a 1 MB upload limit, a 1 megapixel image limit, a 2 s timeout and 8
+    connections at most; yields its base URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    limits = ["--max-upload-mb", "1", "--max-pixels", "1e6", "--timeout", str(TIMEOUT)]
+    limits = ["--max-upload-mb", "1", "--max-pixels", "1e6", "--timeout", str(TIMEOUT), "--max-connections", "8"]
     command = [sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), *limits]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -188,6 +191,20 @@ def test_stalled_clients_are_cut_off_after_the_timeout(server):
     assert time.monotonic() - start > TIMEOUT - 0.5  # they were held until the timeout, no sooner
 
 
+def test_a_connection_over_the_limit_gets_a_503_and_the_next_one_after_them_is_served(server, images):
+    host, port = server.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(8)]  # held open until the head deadline
+    try:
+        time.sleep(0.2)  # the server has accepted them
+        assert post(server, images[0][0]).status_code == 503
+    finally:
+        for connection in idle:
+            connection.close()
+    time.sleep(0.2)
+    response = post(server, images[0][0])
+    assert response.status_code == 200 and response.headers["connection"] == "close"  # one request per connection
+
+
 def test_twenty_requests_from_four_clients_are_each_answered_right(server, images):
     jobs = [images[i % len(images)] for i in range(20)]
     with ThreadPoolExecutor(4) as clients:
@@ -282,3 +299,57 @@ PASTE = """(bytes) => {
   files.items.add(new File([new Uint8Array(bytes)], "pasted.png", {type: "image/png"}));
   document.dispatchEvent(new ClipboardEvent("paste", {clipboardData: files, bubbles: true}));
 }"""
+
+
+def drive(middleware: BoundedBodies, messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Run `middleware` around an app that reads the request body to its end (or the client's leaving) and answers
+    200, on `messages` as the client sends them (then none: a stall); what the app received, and what was sent."""
+    received, sent = [], []
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    middleware.app = app
+    scope = {"type": "http", "headers": [], "client": ("127.0.0.1", 5000)}
+    asyncio.run(middleware(scope, receive, send))
+    return received, sent
+
+
+def test_a_client_that_leaves_before_a_body_part_is_said_to_have_left():
+    """Not handed on as a complete (empty) body, which the app would parse as the whole upload."""
+    first = {"type": "http.request", "body": b"x" * 10, "more_body": True}
+    received, _ = drive(BoundedBodies(None, 1, 5), [first, {"type": "http.disconnect"}])
+    assert received[-1] == {"type": "http.disconnect"}
+
+
+def test_a_stalled_body_is_a_408_whatever_class_asyncio_times_out_with(monkeypatch):
+    """Before Python 3.11, asyncio.wait_for raises asyncio.TimeoutError, which is not the builtin TimeoutError."""
+
+    class PythonTenTimeout(Exception):
+        pass
+
+    async def wait_for(awaitable, timeout):
+        awaitable.close()
+        raise PythonTenTimeout
+
+    monkeypatch.setattr(serve.asyncio, "TimeoutError", PythonTenTimeout)
+    monkeypatch.setattr(serve.asyncio, "wait_for", wait_for)
+    heads = set()
+    _, sent = drive(BoundedBodies(None, 1, 0.1, heads), [])
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
+    assert b"no part of the upload arrived for 0.1 s" in sent[1]["body"]
+    assert heads == {("127.0.0.1", 5000)}  # its head arrived: the head deadline leaves it to the body's

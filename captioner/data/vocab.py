@@ -24,7 +24,7 @@ APOSTROPHES = str.maketrans({"\u2019": "'", "\u02bc": "'"})  # typographic ones 
 
 @cache
 def _patterns():
-    # Imported on first use; `regex` (an nltk dependency) knows Unicode scripts and grapheme clusters, `re` does not.
+    # Imported on first use; `regex` knows Unicode scripts and grapheme clusters, `re` does not.
     import regex
 
     lost = r"[^\p{L}\p{M}\p{N}\p{P}\s]"  # what a caption loses besides punctuation and spaces: symbols, emoji

@@ -14,7 +14,6 @@ every step together.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
@@ -128,7 +127,8 @@ class AttentionDecoder(nn.Module):
         if sample:
             if location is None:
                 location = torch.multinomial(alpha.detach(), 1).squeeze(1)  # (N,)
-            weights = F.one_hot(location, P).to(alpha.dtype)  # (N,P): s_t as a one-hot vector
+            # (N,P): s_t as a one-hot vector. Not F.one_hot, which reads the locations' range back to the host.
+            weights = torch.zeros_like(alpha).scatter_(1, location.unsqueeze(1), 1.0)
             context = torch.bmm(weights.view(B, -1, P), annotations).view(-1, E)  # a_{s_t}
         if self.position is not None:
             context = context + weights @ self.position  # sum_i w_i (a_i + p_i): (N,P) @ (P,E)

@@ -286,28 +286,3 @@ def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len):
             assert torch.equal(got.lengths, want.lengths)
             assert torch.allclose(got.scores, want.scores, atol=1e-5)
             assert torch.allclose(got.alphas, want.alphas, atol=1e-6)
-
-
-@pytest.mark.parametrize("beam_size", [1, 3])
-def test_sync_free_search_reads_the_device_once_every_check_every_words(beam_size, monkeypatch):
-    """Every caption ends at its first word; the shrinking search stops there, the sync-free one asks whether all have
-    ended only after CHECK_EVERY words, and converts a tensor to a Python value once more at the end (the width)."""
-    from captioner.models.decoding import CHECK_EVERY
-
-    ends_at_once = {START: {END: 0.9, A: 0.1}, A: {END: 1.0}}
-    counter = RowCounter(TableDecoder(ends_at_once))
-    reads = {"bool": 0, "int": 0, "item": 0}
-    for name in reads:
-        original = getattr(torch.Tensor, f"__{name}__" if name != "item" else name)
-
-        def counted(self, *args, _original=original, _name=name):
-            reads[_name] += 1
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, f"__{name}__" if name != "item" else name, counted)
-    options = {"max_len": 30, **SPECIAL} | ({"beam_size": beam_size} if beam_size > 1 else {})
-    search = beam_search if beam_size > 1 else greedy_search
-    out = search(counter, torch.zeros(3, 4, 2), sync_free=True, **options)
-    assert len(counter.attended) == CHECK_EVERY  # words run: up to the first check
-    assert reads == {"bool": 1, "int": 1, "item": 0}
-    assert out.tokens.tolist() == [[END]] * 3

@@ -1,0 +1,208 @@
+"""Options in combination: real `captioner fit` runs through the CLI, then test, predict, `Captioner.load(...).caption`,
+export and a `--ckpt_path last` resume, over a pairwise covering set of the options' values: every pair of values of
+two options meets in at least one run (not the full product, which is 2^10 runs).
+
+Each run ends with exit status 0, finite logged metrics and files that load, or, for a combination refused on purpose
+(self-critical training with hard attention), one `error:` line and status 2; never a traceback, never a hang (each
+command has a timeout). The runs use the shipped configs/debug.yaml, logger and checkpointing on, overriding paths,
+sizes and the options under test. The compiled step is compiled with backend aot_eager (Dynamo's and AOTAutograd's
+graphs, without Inductor's code generation, which takes minutes per graph on 2 cores; tests/test_compile.py -m slow
+runs Inductor).
+
+`pytest -m matrix` runs every combination (.ci/run does, after `make test`); the default run keeps two: one training
+run and the refused one. `pytest tests/test_option_matrix.py -m matrix -v` lists the combinations and their results.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from captioner.api import Captioner
+from captioner.data.shapes import ShapesDataset
+from tests.conftest import REPO, tiny_fit_args
+
+FACTORS: dict[str, tuple] = {
+    "attention": ("soft", "hard"),
+    "objective": ("xe", "scst"),
+    "compile": ("plain", "compiled"),
+    "precision": ("32", "bf16"),
+    "accumulate": (1, 2),
+    "fine_tune": (0, 1),
+    "init_from": ("none", "tuned"),
+    "size": ("tiny", "default"),
+    "baseline": ("others", "greedy"),  # SCST's baseline: a value of its own only in SCST runs
+    "devices": (1, 2),
+}
+Row = dict[str, object]
+
+
+def refused(row: Row) -> bool:
+    """Combinations that are an error by design: SCST is not combined with hard attention's own REINFORCE."""
+    return row["attention"] == "hard" and row["objective"] == "scst"
+
+
+def pairs(row: Row) -> set[tuple]:
+    """The pairs of (option, value) that a run of `row` tries together."""
+    items = [(k, v) for k, v in row.items() if k != "baseline" or row["objective"] == "scst"]
+    return set(itertools.combinations(items, 2))
+
+
+def covering_rows(seed: int = 0, candidates: int = 64) -> list[Row]:
+    """A small set of valid rows in which every pair that some valid row holds is met at least once (greedy: each
+    new row is the candidate that meets the most pairs not met yet), then the refused combination once."""
+    everything = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+    valid = [row for row in everything if not refused(row)]
+    unmet = set().union(*(pairs(row) for row in valid))
+    rng, rows = random.Random(seed), []
+    while unmet:
+        target = sorted(unmet)[0]  # each new row meets at least this pair
+        holding = [row for row in valid if target in pairs(row)]
+        best = max(rng.sample(holding, min(candidates, len(holding))), key=lambda row: len(pairs(row) & unmet))
+        rows.append(best)
+        unmet -= pairs(best)
+    first_refused = next(row for row in everything if refused(row))
+    return [*rows, first_refused]
+
+
+ROWS = covering_rows()
+BASE: Row = {k: values[0] for k, values in FACTORS.items()}  # every option at its first value
+
+
+def name(row: Row) -> str:
+    parts = [
+        str(row["attention"]),
+        str(row["objective"]) + (f"-{row['baseline']}" if row["objective"] == "scst" else ""),
+        str(row["compile"]),
+        "bf16" if row["precision"] == "bf16" else "fp32",
+        f"accumulate{row['accumulate']}",
+        f"finetune{row['fine_tune']}",
+        "init-tuned" if row["init_from"] == "tuned" else "no-init",
+        str(row["size"]),
+        "ddp2" if row["devices"] == 2 else "1proc",
+    ]
+    return "-".join(parts)
+
+
+def fast(row: Row) -> bool:
+    """The default run's slice: the refused combination, and the first run of one process, a tiny model and no
+    init_from (the cheapest kind)."""
+    cheap = {"devices": 1, "size": "tiny", "init_from": "none"}
+    first = next(r for r in ROWS if not refused(r) and cheap.items() <= r.items())
+    return refused(row) or row is first
+
+
+SLOW = (pytest.mark.slow, pytest.mark.matrix)
+PARAMS = [pytest.param(row, id=name(row), marks=() if fast(row) else SLOW) for row in ROWS]
+
+
+def captioner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "captioner.cli", *args]
+    try:
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`captioner {' '.join(args[:1])}` did not end within {timeout} s (a hang)")
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-4000:]
+
+
+def options(row: Row, tuned: dict[str, Path]) -> list[str]:
+    args = ["--data.init_args.train_size=32", "--data.init_args.val_size=8", "--data.init_args.test_size=8"]
+    args += ["--data.init_args.batch_size=8", "--trainer.limit_train_batches=4"]
+    if row["attention"] == "hard":
+        args.append("--model.attention_mode=hard")
+    if row["objective"] == "scst":
+        args += ["--model.objective=scst", "--data.init_args.train_captions=random"]
+        args.append(f"--model.scst_baseline={row['baseline']}")
+    if row["compile"] == "compiled":
+        args += ["--model.compile=true", "--model.compile_backend=aot_eager"]
+    if row["precision"] == "bf16":
+        args.append("--trainer.precision=bf16-mixed")
+    args += [f"--trainer.accumulate_grad_batches={row['accumulate']}", f"--model.fine_tune_blocks={row['fine_tune']}"]
+    if row["init_from"] == "tuned":
+        args.append(f"--model.init_from={tuned[str(row['size'])]}")
+    if row["size"] == "default":  # the library's own sizes (debug.yaml's are 32)
+        args += ["--model.embed_dim=512", "--model.decoder_dim=512", "--model.attention_dim=512"]
+    if row["devices"] == 2:
+        args += ["--trainer.devices=2", "--trainer.strategy=ddp"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> dict[str, Path]:
+    """Fine-tuned checkpoints to start from (`init_from`), one per model size, made when first asked for."""
+    root = tmp_path_factory.mktemp("tuned")
+
+    class Lazy(dict):
+        def __missing__(self, size: str) -> Path:
+            folder = root / size
+            args = options({**BASE, "size": size, "fine_tune": 1}, {})
+            ok(captioner("fit", *tiny_fit_args(folder, *args)))
+            self[size] = folder / "checkpoints" / "best.ckpt"
+            return self[size]
+
+    return Lazy()
+
+
+def logged(root: Path) -> dict[str, float]:
+    """Every metric the commands run under `root` logged (each command writes a CSV of its own): its last value."""
+    rows = []
+    for path in sorted((root / "logs").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime_ns):
+        with path.open() as file:
+            rows += list(csv.DictReader(file))
+    return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
+
+
+@pytest.mark.parametrize("row", PARAMS)
+def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_resumes(row, tuned, tmp_path):
+    args = tiny_fit_args(tmp_path, *options(row, tuned if row["init_from"] == "tuned" else {}))
+    fit = captioner("fit", *args)
+    if refused(row):
+        errors = [line for line in fit.stderr.splitlines() if line.startswith("error:")]
+        assert fit.returncode == 2 and "Traceback" not in fit.stderr, fit.stderr[-3000:]
+        assert errors == ["error: objective scst needs soft attention: hard attention's own REINFORCE is not combined "
+                          "with it"]  # fmt: skip
+        return
+    ok(fit)
+    values = logged(tmp_path)
+    assert {"train/loss_epoch", "val/loss", "val/bleu4"} <= values.keys(), values
+    assert all(math.isfinite(value) for value in values.values()), values
+    best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "checkpoints" / "last.ckpt"
+
+    ok(captioner("test", *args, f"--ckpt_path={best}"))
+    assert math.isfinite(logged(tmp_path)["test/bleu4"])
+    output = tmp_path / "predictions.jsonl"
+    ok(captioner("predict", *args, f"--ckpt_path={best}", f"--predictions.output={output}"))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(8))
+
+    images = [ShapesDataset("test", 2, seed=9).load_image(i) for i in range(2)]
+    captions = [r.tokens for r in Captioner.load(best).caption(images)]
+    exported = tmp_path / "model.pt"
+    ok(captioner("export", "--ckpt_path", str(best), "--output", str(exported)))
+    assert [r.tokens for r in Captioner.load(exported).caption(images)] == captions
+
+    ok(captioner("fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last"))
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["epoch"] == 1 and all(math.isfinite(value) for value in logged(tmp_path).values())
+
+
+def test_the_rows_meet_every_pair_of_values_that_a_valid_run_can_hold():
+    everything = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+    wanted = set().union(*(pairs(row) for row in everything if not refused(row)))
+    met = set().union(*(pairs(row) for row in ROWS if not refused(row)))
+    assert met == wanted and len(ROWS) <= 14
+    assert sum(refused(row) for row in ROWS) == 1
