@@ -136,3 +136,35 @@ def test_a_start_that_does_not_fit_the_config_is_one_line_naming_both(tiny_model
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert line.startswith("error: ") and re.search(message, line), line
+
+
+def test_the_greedy_baseline_is_the_reward_of_the_image_s_greedy_caption_decoded_without_dropout(monkeypatch):
+    """Rennie et al.'s baseline (--model.scst_baseline=greedy): each image's K samples are judged against the reward
+    of its greedy caption, decoded in eval mode (no dropout), after which the model trains on."""
+    from captioner.lit_module import CaptioningModule
+    from captioner.scst import SelfCritical
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"]
+    sizes = {"embed_dim": 8, "decoder_dim": 8, "attention_dim": 8, "pretrained": False, "image_size": 64}
+    module = CaptioningModule(vocab, objective="scst", scst_baseline="greedy", scst_samples=3, **sizes).train()
+    references = [[["a", "red", "circle"]], [["a", "circle"]]]
+    module._self_critical = SelfCritical(references, "greedy")
+    generate, modes, logged = module.model.generate, [], {}
+
+    def spy(*args, **kwargs):
+        modes.append(module.model.training)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(module.model, "generate", spy)
+    monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.__setitem__(name, float(value)))
+    P, E = module.model.encoder.num_pixels, module.model.encoder.out_dim
+    batch = {"annotations": torch.randn(2, P, E).relu(), "index": torch.tensor([0, 1])}
+    loss = module._self_critical_step(batch)
+    loss.backward()
+    assert modes == [False] and module.model.training  # decoded in eval mode, then back to training
+    module.model.eval()
+    greedy = generate(annotations=batch["annotations"], max_len=module.hparams.max_caption_len)
+    words = [[vocab_words] for vocab_words in map(module.vocab.decode_tokens, greedy.tokens.tolist())]
+    expected = module._self_critical.rewards(words, [0, 1])[:, 0].mean()
+    assert logged["train/baseline"] == pytest.approx(float(expected), abs=1e-6)
+    assert torch.isfinite(loss) and module.model.decoder.L_o.weight.grad is not None

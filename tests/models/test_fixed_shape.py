@@ -108,8 +108,9 @@ COMPILERS = [
 @pytest.mark.parametrize("backend", COMPILERS)
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
-    """fullgraph=True fails on any graph break: a host sync (.item(), int(tensor), boolean-mask indexing) or a branch
-    on a tensor's value. So the step that CUDA graphs capture on a GPU has none; this is the CPU's proof of it."""
+    """fullgraph=True fails on any graph break: a branch on a tensor's value, most host reads, an unsupported call.
+    It does not rule out every op that makes a CUDA host wait (a data-sized op can stay in the graph):
+    tests/models/test_host_syncs.py does. How the graph replays as CUDA graphs only a GPU shows (tests/test_cuda.py)."""
     torch.compiler.reset()
     m = model(attention_mode=mode).train()
     a, captions, lengths = batch(m, lengths=(5, 3, 6, 2))  # 8 steps: the loop is unrolled, so short is quick
