@@ -89,11 +89,11 @@ def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     from jsonargparse import ArgumentError
 
     from captioner.data.datamodules import CaptionDataModule
-    from captioner.lightning_cli import CaptionerCLI, no_advertisements
+    from captioner.lightning_cli import CaptionerCLI, quiet_lightning
     from captioner.lit_module import CaptioningModule
 
     try:
-        with no_advertisements():
+        with quiet_lightning():
             return CaptionerCLI(
                 CaptioningModule,
                 CaptionDataModule,
@@ -131,7 +131,7 @@ def demo(argv: list[str]) -> None:
     import torch
 
     from captioner.data.datamodules import ShapesDataModule
-    from captioner.lightning_cli import load_module
+    from captioner.lightning_cli import load_module, quiet_lightning
     from captioner.visualize import attention_grid
 
     module = load_module(args.checkpoint)
@@ -152,10 +152,11 @@ def demo(argv: list[str]) -> None:
             path = overlays / f"test_{i}.png"
             sheet.save(path)
             print(f"  overlay: {path}")
-    trainer = L.Trainer(
-        accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
-    )
-    metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    with quiet_lightning():
+        trainer = L.Trainer(
+            accelerator="auto", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        )
+        metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     print(f"val/bleu4={metrics['val/bleu4']:.3f}")
 
 

@@ -28,12 +28,11 @@ from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
 from captioner.lit_module import CHECKPOINT, CaptioningModule, gather
 
-# A frozen encoder keeps its BatchNorm layers in eval mode on purpose (see Encoder.train).
-warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
-# Its advice is for epoch-level curves, which CaptioningModule logs anyway (train/loss_epoch).
-warnings.filterwarnings("ignore", message=r".*is smaller than the logging interval Trainer\(log_every_n_steps.*")
-# Raised inside Lightning by newer torch versions; nothing a user of captioner can act on.
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+QUIETED = (  # Lightning's warnings that do not apply to captioner's runs
+    r".*module\(s\) in eval mode at the start of training.*",  # a frozen encoder's BatchNorms (Encoder.train)
+    r".*is smaller than the logging interval Trainer\(log_every_n_steps.*",  # train/loss_epoch is logged anyway
+    r".*isinstance\(treespec, LeafSpec\).*",  # raised inside Lightning by newer torch; nothing a user can act on
+)
 
 
 class _NoTips(logging.Filter):
@@ -46,14 +45,17 @@ RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.
 
 
 @contextlib.contextmanager
-def no_advertisements() -> Iterator[None]:
-    """Leave out of a command's output the "💡 Tip" lines with which Lightning advertises its cloud products; every
-    other message stays. The filter is removed afterwards."""
+def quiet_lightning() -> Iterator[None]:
+    """Leave out of a command's output the "💡 Tip" lines with which Lightning advertises its cloud products, and its
+    warnings that do not apply here (`QUIETED`); every other message stays. Both filters are removed afterwards."""
     loggers, tips = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS], _NoTips()
     for logger in loggers:
         logger.addFilter(tips)
     try:
-        yield
+        with warnings.catch_warnings():
+            for pattern in QUIETED:
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
     finally:
         for logger in loggers:
             logger.removeFilter(tips)
