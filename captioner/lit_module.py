@@ -2,71 +2,23 @@
 
 from __future__ import annotations
 
-import random
-
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
-from captioner.data.shapes import attention_ceiling, attention_correctness
 from captioner.data.vocab import Vocabulary
+from captioner.distributed import distributed, gather, rng_states, set_rng_states
 from captioner.errors import CaptionerError, ConfigError
-from captioner.metrics import bleu, cider
-from captioner.models.show_attend_tell import ShowAttendTell, self_critical_loss
-from captioner.scst import SelfCritical, check_options
+from captioner.metrics import Decoded, attention_scores, split_scores
+from captioner.models.show_attend_tell import ShowAttendTell, compile_options
+from captioner.objectives import SelfCritical, TeacherForcing, check_options
 
 CHECKPOINT = "the checkpoint"  # how a checkpoint loaded without a Trainer is named in errors (its path is not known)
 LR_SCHEDULES = ("plateau", "cosine", "none")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
-
-
-def rng_states() -> dict:
-    """The random generators that training draws from: Python's (a random caption per image) and torch's."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate((states["python"][0], tuple(states["python"][1]), states["python"][2]))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def distributed() -> bool:
-    """Whether this process is one of several (DDP)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def gather(records: list) -> list:
-    """Every rank's `records`, concatenated in rank order (under DDP; otherwise `records` itself)."""
-    if not distributed():
-        return records
-    everyone: list[list | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, records)
-    return [record for part in everyone for record in part]
-
-
-def compile_options(device_type: str, accumulate: int = 1, backend: str | None = None) -> tuple[dict, str | None]:
-    """torch.compile's options for the training step, and a line to log about them (or None).
-
-    On CUDA, mode="reduce-overhead": the step's many small kernels are captured as CUDA graphs and replayed, a launch
-    each. A graph's outputs live in its own memory, which its next replay overwrites, and the gradients of the first
-    of several accumulated batches are such outputs (a known PyTorch limitation): with `accumulate` > 1 the step is
-    compiled without CUDA graphs."""
-    options = {"backend": backend} if backend else {}
-    if device_type != "cuda":
-        return options, None
-    if accumulate > 1:
-        note = (
-            f"compiled step: without CUDA graphs, since gradients are accumulated over {accumulate} batches (a graph's "
-            "next replay would overwrite them)"
-        )
-        return options, note
-    return {**options, "mode": "reduce-overhead"}, None
 
 
 class CaptioningModule(L.LightningModule):
@@ -86,7 +38,8 @@ class CaptioningModule(L.LightningModule):
         max_caption_len: longest generated caption, in words.
         beam_size: beam width of `predict` (validation and test decode greedily, one decode per image).
         objective: "xe", cross-entropy on the reference captions (the paper's), or "scst", self-critical sequence
-            training: REINFORCE with the CIDEr-D of captions the model samples as their reward (`captioner.scst`).
+            training: REINFORCE with the CIDEr-D of captions the model samples as their reward
+            (`captioner.objectives`).
             Validation decodes greedily and scores with the corpus metrics either way.
         init_from: a checkpoint (or exported model) whose weights start this run, with a fresh optimizer and schedule:
             how an SCST run starts from a cross-entropy one. Not `--ckpt_path`, which resumes a run (a resumed run
@@ -95,14 +48,11 @@ class CaptioningModule(L.LightningModule):
         scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
             of its greedy caption (Rennie et al. 2017).
         compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
-            batch runs the batch's steps (padded to `bucket_steps`, the padding masked), nothing syncs with the host,
-            and the loss (forward and backward) is compiled by torch.compile, with mode="reduce-overhead" (CUDA
-            graphs) on CUDA, except when gradients are accumulated over batches (`accumulate_grad_batches` > 1): a
-            graph's next replay would overwrite the gradients of the batch before, so the step is compiled without
-            CUDA graphs, and a log line says so. The first steps of each caption length compile (tens of seconds).
-            Off: the shrinking batch (each step runs the captions still going), fastest on a CPU. Both compute the same
-            loss and gradients for the same random draws; they draw dropout's masks (and hard attention's locations)
-            differently, so runs agree to rounding only with dropout 0 and soft attention (README, "Speed").
+            batch runs the batch's steps (padding masked), nothing syncs with the host, and the loss (forward and
+            backward) is compiled, with CUDA graphs on CUDA unless gradients are accumulated (`compile_options`). Off:
+            the shrinking batch, fastest on a CPU. Both compute the same loss and gradients for the same random draws,
+            but draw dropout's masks (and hard attention's locations) differently: their runs agree to rounding only
+            with dropout 0 and soft attention (README, "Speed").
         compile_backend: torch.compile's backend for the compiled step (None: its default, Inductor, which needs a C++
             compiler on a CPU). "aot_eager" traces forward and backward without generating code: a quick check that
             a model compiles.
@@ -150,9 +100,9 @@ class CaptioningModule(L.LightningModule):
             **model_options,
         )
         self.model.encoder.fine_tune(fine_tune_blocks)
-        self._decoded: list[tuple] = []  # (image index, words, references, attention masses, baselines, ceilings)
+        self._decoded: list[Decoded] = []  # this validation's or test's captions so far
         self._resumed_rng_states: dict | None = None
-        self._self_critical: SelfCritical | None = None  # the training split's rewards, built when a fit starts
+        self.objective: TeacherForcing | SelfCritical = TeacherForcing()  # SCST's is made when a fit starts
         self._unchecked_loss: torch.Tensor | None = None  # the training losses since the last optimizer step
         self._non_finite: str | None = None  # the first non-finite loss of this validation or test, said at its end
 
@@ -200,17 +150,17 @@ class CaptioningModule(L.LightningModule):
             datamodule = self.trainer.datamodule
             if datamodule is None or "train" not in getattr(datamodule, "datasets", {}):
                 raise ConfigError("objective scst needs captioner's datamodule: its training split's references")
-            references = datamodule.datasets["train"].references
-            self._self_critical = SelfCritical(references, self.hparams.scst_baseline)
+            hp, references = self.hparams, datamodule.datasets["train"].references
+            self.objective = SelfCritical(references, self.vocab, hp.scst_samples, hp.scst_baseline, hp.max_caption_len)
 
-    def _shared_step(self, batch: dict, stage: str) -> torch.Tensor:
-        images, annotations = batch.get("images"), batch.get("annotations")
-        loss = self.model(batch["captions"], batch["lengths"], images=images, annotations=annotations)
-        B = batch["captions"].size(0)
-        self._log_loss(loss.loss, stage, B)
-        self.log(f"{stage}/nll_per_word", loss.nll_per_word, batch_size=B)
-        self.log(f"{stage}/doubly_stochastic", loss.doubly_stochastic, batch_size=B)
-        return loss.loss
+    def _shared_step(self, batch: dict, stage: str, objective=None) -> torch.Tensor:
+        """The loss of `objective` (validation and test: teacher forcing), logged under `stage` with its parts."""
+        loss, parts = (objective or TeacherForcing())(self.model, batch)
+        B = batch["index"].numel()
+        self._log_loss(loss, stage, B)
+        for name, value in parts.items():
+            self.log(f"{stage}/{name}", value, prog_bar=name == "reward", batch_size=B)
+        return loss
 
     def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
         if stage == "train":  # checked before the optimizer step (`on_before_optimizer_step`), in every process
@@ -242,38 +192,10 @@ class CaptioningModule(L.LightningModule):
         if loss is not None and not torch.isfinite(loss):
             raise CaptionerError(self._loss_error("train", loss.item()))
 
-    def _self_critical_step(self, batch: dict) -> torch.Tensor:
-        """SCST: K captions drawn per image, each rewarded with its CIDEr-D, against a baseline (`captioner.scst`)."""
-        hp, critic = self.hparams, self._self_critical
-        annotations = self.model.annotate(batch.get("images"), batch.get("annotations"))  # (B,P,E)
-        samples = self.model.sample(annotations, hp.scst_samples, hp.max_caption_len)  # (B,K,T) each
-        images = batch["index"].tolist()
-        drawn = [[self.vocab.decode_tokens(tokens) for tokens in image] for image in samples.tokens.tolist()]
-        rewards = critic.rewards(drawn, images).to(self.device)  # (B,K)
-        greedy = None
-        if hp.scst_baseline == "greedy":  # the image's caption at test time: greedy, without dropout
-            self.model.eval()
-            try:
-                generation = self.model.generate(annotations=annotations.detach(), max_len=hp.max_caption_len)
-            finally:
-                self.model.train()
-            words = [[self.vocab.decode_tokens(tokens)] for tokens in generation.tokens.tolist()]
-            greedy = critic.rewards(words, images)[:, 0].to(self.device)  # (B,)
-        baselines = critic.baselines(rewards, greedy)  # (B,K)
-        loss = self_critical_loss(samples.log_probs, samples.mask, rewards, baselines)
-        B = len(images)
-        self._log_loss(loss, "train", B)
-        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=B)
-        self.log("train/baseline", baselines.mean(), batch_size=B)
-        self.log("train/beat_baseline", (rewards > baselines).float().mean(), batch_size=B)
-        return loss
-
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if not batch:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
             return self._skipped_step()
-        if self.hparams.objective == "scst":
-            return self._self_critical_step(batch)
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train", self.objective)
 
     def _skipped_step(self) -> torch.Tensor | None:
         """The step of a batch with no readable image. In one process, None: Lightning skips the backward pass and
@@ -298,14 +220,9 @@ class CaptioningModule(L.LightningModule):
             images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
         )
         for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
-            words = self.vocab.decode_tokens(tokens)
-            masses, baselines, ceilings = [], [], []
-            objects = batch["objects"][i]
-            if objects is not None:  # only datasets with object boxes (shapes)
-                size, grid = batch["canvas"][i], self.model.encoder.grid_hw
-                masses, baselines = attention_correctness(words, generation.alphas[i], grid, objects, (size, size))
-                ceilings = attention_ceiling(words, grid, objects, (size, size))
-            self._decoded.append((index, words, batch["references"][i], masses, baselines, ceilings))
+            words, objects, size = self.vocab.decode_tokens(tokens), batch["objects"][i], batch["canvas"][i]
+            where = attention_scores(words, generation.alphas[i], self.model.encoder.grid_hw, objects, size)
+            self._decoded.append(Decoded(index, words, batch["references"][i], *where))
 
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
@@ -314,15 +231,8 @@ class CaptioningModule(L.LightningModule):
         self._non_finite = None
         if problems:
             raise CaptionerError(problems[0])
-        decoded = {index: rest for index, *rest in gather(self._decoded)}  # a repeated image has the same caption
-        self._decoded = []
-        hypotheses, references, *per_word = ([decoded[i][field] for i in sorted(decoded)] for field in range(5))
-        metrics = {f"{stage}/bleu4": bleu(hypotheses, references, n=4), f"{stage}/cider": cider(hypotheses, references)}
-        masses, baselines, ceilings = ([value for values in field for value in values] for field in per_word)
-        if masses:  # attention correctness, with what uniform attention scores and the best a grid can score
-            metrics[f"{stage}/attn_correctness"] = sum(masses) / len(masses)
-            metrics[f"{stage}/attn_uniform_baseline"] = sum(baselines) / len(baselines)
-            metrics[f"{stage}/attn_ceiling"] = sum(ceilings) / len(ceilings)
+        decoded, self._decoded = gather(self._decoded), []
+        metrics = {f"{stage}/{name}": value for name, value in split_scores(decoded).items()}
         for name, value in metrics.items():  # equal on every rank: "max" keeps it exact and Lightning's DDP check quiet
             self.log(name, value, prog_bar=name.endswith("bleu4"), sync_dist=True, reduce_fx="max")
         return metrics

@@ -1,16 +1,58 @@
-"""Caption metrics. BLEU comes from nltk; nothing here re-implements a published scorer."""
+"""Caption metrics over a split. BLEU comes from nltk and the coco-caption scores from pycocoevalcap; CIDEr-D of
+validation is `captioner.cider`'s, which SCST needs anyway and which gives pycocoevalcap's scores."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from nltk.translate.bleu_score import corpus_bleu
+
+from captioner.cider import CiderD
+from captioner.data.shapes import attention_ceiling, attention_correctness
 
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[str]
+
+
+class Decoded(NamedTuple):
+    """One image's caption in a validation or test, and what scores it."""
+
+    index: int  # the image's index in its split
+    words: list[str]
+    references: list[list[str]]
+    masses: list[float]  # attention correctness of each word that names an object (datasets with boxes: shapes)
+    baselines: list[float]  # what uniform attention scores on those words
+    ceilings: list[float]  # the best that attention on the grid can score on them
+
+
+def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, size: int | None) -> tuple[list, ...]:
+    """Attention correctness, its uniform baseline and its ceiling on one image's words, for a dataset with object
+    boxes (`objects`, on a `size`-pixel square canvas); three empty lists for the others."""
+    if objects is None:
+        return [], [], []
+    masses, baselines = attention_correctness(words, alphas, grid_hw, objects, (size, size))
+    return masses, baselines, attention_ceiling(words, grid_hw, objects, (size, size))
+
+
+def split_scores(decoded: Sequence[Decoded]) -> dict[str, float]:
+    """The corpus scores of a split's captions (gathered from every process under DDP: an image that the
+    DistributedSampler repeated counts once): BLEU-4, CIDEr-D and, with object boxes, attention correctness per word,
+    with what uniform attention and the best grid attention score."""
+    images = {d.index: d for d in decoded}
+    ordered = [images[i] for i in sorted(images)]
+    hypotheses, references = [d.words for d in ordered], [d.references for d in ordered]
+    scores = {"bleu4": bleu(hypotheses, references, n=4), "cider": cider(hypotheses, references)}
+    masses = [m for d in ordered for m in d.masses]
+    if masses:
+        baselines, ceilings = [b for d in ordered for b in d.baselines], [c for d in ordered for c in d.ceilings]
+        scores["attn_correctness"] = sum(masses) / len(masses)
+        scores["attn_uniform_baseline"] = sum(baselines) / len(baselines)
+        scores["attn_ceiling"] = sum(ceilings) / len(ceilings)
+    return scores
 
 
 def bleu(hypotheses: Sequence[Tokens], references: Sequence[Sequence[Tokens]], n: int = 4) -> float:
@@ -78,11 +120,11 @@ def coco_caption_scores(
 
 
 def cider(hypotheses: Sequence[Tokens], references: Sequence[Sequence[Tokens]]) -> float:
-    """CIDEr-D (pycocoevalcap) of tokenized captions; pure Python, no Java."""
-    from pycocoevalcap.cider.cider import Cider
-
+    """CIDEr-D of tokenized captions over a corpus, document frequencies from its references: pycocoevalcap's `Cider`
+    score (tests/test_cider.py), computed by `captioner.cider.CiderD`, the one CIDEr-D that SCST's reward uses too."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference sets")
     if not hypotheses:
         return 0.0
-    res = {i: [" ".join(h)] for i, h in enumerate(hypotheses)}
-    gts = {i: [" ".join(r) for r in refs] for i, refs in enumerate(references)}
-    return float(Cider().compute_score(gts, res)[0])
+    scorer = CiderD(references)
+    return sum(scorer(words, image) for image, words in enumerate(hypotheses)) / len(hypotheses)

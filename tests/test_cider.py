@@ -1,4 +1,5 @@
-"""The self-critical reward's CIDEr-D against pycocoevalcap's, with the same document frequencies and references."""
+"""CIDEr-D (captioner.cider): the self-critical reward and the split's score, against pycocoevalcap's, with the same
+document frequencies and references."""
 
 import random
 
@@ -52,3 +53,17 @@ def test_document_frequencies_come_from_the_corpus_not_from_the_captions_scored(
     )
     alone = pycocoevalcap_scores([["a", "red", "circle"]], references[:1])[0]  # log(1) - log(1): every idf is 0
     assert alone == 0.0 and scorer(["a", "red", "circle"], 0) > 1
+
+
+def test_the_split_s_cider_d_is_pycocoevalcap_s_corpus_score():
+    """Validation's CIDEr-D (captioner.metrics.cider) is pycocoevalcap's `Cider` over the split, through CiderD."""
+    from pycocoevalcap.cider.cider import Cider
+
+    from captioner.metrics import cider
+
+    split = ShapesDataset("val", 40)
+    references = [[tokenize(caption) for caption in split.captions(i)] for i in range(len(split))]
+    captions = [references[(i * 7) % len(references)][i % 5][: 3 + i % 6] for i in range(len(references))]
+    gts = {i: [" ".join(r) for r in refs] for i, refs in enumerate(references)}
+    expected = Cider().compute_score(gts, {i: [" ".join(c)] for i, c in enumerate(captions)})[0]
+    assert cider(captions, references) == pytest.approx(expected, abs=1e-6) and expected > 0.1

@@ -36,9 +36,8 @@ def test_fast_dev_run_fit_on_cpu(tmp_path):
 
 def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(tmp_path, capfd):
     main(["fit", *tiny_fit_args(tmp_path), "--ckpt_path", "last"])  # nothing to resume yet: a preemptible job's start
-    out, said = capfd.readouterr()
+    said = capfd.readouterr().err
     assert f"no last.ckpt in {tmp_path / 'checkpoints'}: starting from scratch" in said and "save_last" not in said
-    assert "GPU available" in said + out and "Tip" not in said + out  # Lightning's own lines, but no advertisements
     checkpoint = tmp_path / "checkpoints" / "best.ckpt"
     assert checkpoint.is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)

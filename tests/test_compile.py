@@ -98,7 +98,7 @@ def test_a_compiled_fit_logs_what_the_plain_fit_logs_and_their_checkpoints_are_i
 
 
 def test_the_step_compiles_with_cuda_graphs_on_cuda_unless_gradients_are_accumulated():
-    from captioner.lit_module import compile_options
+    from captioner.models.show_attend_tell import compile_options
 
     assert compile_options("cpu") == ({}, None)
     assert compile_options("cpu", 2, "aot_eager") == ({"backend": "aot_eager"}, None)

@@ -118,3 +118,4 @@ def test_a_non_finite_loss_in_one_process_stops_every_process_at_once_with_one_l
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors[0].startswith(f"error: {stage}/loss is nan at epoch 0, step "), result.stderr[-3000:]
     assert result.stderr.count(errors[0]) == 2 and "Traceback" not in result.stderr  # the same line from each
+    assert "GPU available" in result.stderr and "Tip" not in result.stderr  # Lightning's lines, not its advertisements

@@ -8,6 +8,7 @@ from captioner import lit_module
 from captioner.data.datamodules import collate
 from captioner.errors import CaptionerError
 from captioner.lit_module import CaptioningModule
+from captioner.metrics import Decoded
 
 VOCAB = ["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"]
 
@@ -20,7 +21,8 @@ def module(**options) -> CaptioningModule:
 def batch(module: CaptioningModule, value: float = 1.0) -> dict:
     P, E = module.model.encoder.num_pixels, module.model.encoder.out_dim
     captions = torch.tensor([[1, 4, 5, 6, 2], [1, 6, 2, 0, 0]])
-    return {"annotations": torch.full((2, P, E), value), "captions": captions, "lengths": torch.tensor([5, 3])}
+    annotations, lengths = torch.full((2, P, E), value), torch.tensor([5, 3])
+    return {"annotations": annotations, "captions": captions, "lengths": lengths, "index": torch.arange(2)}
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True])  # the shrinking batch and the compiled step's form
@@ -48,7 +50,7 @@ def test_a_non_finite_validation_loss_stops_at_the_epoch_s_end():
 
 def decodable(size: int) -> dict:
     """What validation needs of a batch besides its inputs and captions."""
-    return {"index": torch.arange(size), "references": [[["a"]]] * size, "objects": [None] * size}
+    return {"references": [[["a"]]] * size, "objects": [None] * size, "canvas": [None] * size}
 
 
 def test_a_batch_with_no_readable_image_is_skipped_by_one_process():
@@ -80,8 +82,9 @@ def test_the_split_s_attention_correctness_comes_with_its_uniform_baseline_and_i
     words = ["a", "red", "circle", "on", "the", "left"]
     references = [words]
     model._decoded = [
-        (0, words, references, [0.5], [0.1], [0.8]),
-        (1, words, references, [0.7, 0.9], [0.2, 0.3], [0.8, 0.9]),
+        Decoded(0, words, references, [0.5], [0.1], [0.8]),
+        Decoded(1, words, references, [0.7, 0.9], [0.2, 0.3], [0.8, 0.9]),
+        Decoded(0, words, references, [0.5], [0.1], [0.8]),  # repeated by DDP's sampler: counted once
     ]
     metrics = model._decode_epoch_end("test")
     assert metrics["test/bleu4"] == pytest.approx(1.0)

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from captioner.models.decoding import sample_captions
-from captioner.models.show_attend_tell import self_critical_loss
-from captioner.scst import SelfCritical
+from captioner.objectives import SelfCritical, self_critical_loss
 from tests.models.test_decoding import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
 
 
@@ -23,7 +22,7 @@ def test_the_loss_of_fixed_samples_and_rewards_and_its_gradient_by_hand():
     log_p = F.log_softmax(theta, dim=0)
     log_probs = torch.stack([log_p[0], log_p[1]]).view(1, 2, 1)  # (B,K,T)
     rewards = torch.tensor([[1.0, 3.0]])
-    baselines = SelfCritical([[["a"]]], "others").baselines(rewards)  # the other sample's reward: (3, 1)
+    baselines = SelfCritical([[["a"]]], baseline="others").baselines(rewards)  # the other sample's reward: (3, 1)
     assert baselines.tolist() == [[3.0, 1.0]]
     loss = self_critical_loss(log_probs, torch.ones(1, 2, 1, dtype=torch.bool), rewards, baselines)
     assert loss.item() == pytest.approx(-math.log(2))
@@ -41,10 +40,10 @@ def test_words_after_the_end_count_in_no_part_of_the_loss():
 
 
 def test_the_baselines():
-    critic = SelfCritical([[["a", "red", "circle"]]], "others")
+    critic = SelfCritical([[["a", "red", "circle"]]], baseline="others")
     rewards = torch.tensor([[1.0, 3.0, 5.0], [0.0, 0.0, 6.0]])
     assert critic.baselines(rewards).tolist() == [[4.0, 3.0, 2.0], [3.0, 3.0, 0.0]]  # the mean of the other two
-    greedy = SelfCritical([[["a", "red", "circle"]]], "greedy")
+    greedy = SelfCritical([[["a", "red", "circle"]]], baseline="greedy")
     assert greedy.baselines(rewards, torch.tensor([2.0, 1.0])).tolist() == [[2.0] * 3, [1.0] * 3]
     assert critic.rewards([[["a", "red", "circle"], ["a"]]], [0]).shape == (1, 2)
 
@@ -142,13 +141,12 @@ def test_the_greedy_baseline_is_the_reward_of_the_image_s_greedy_caption_decoded
     """Rennie et al.'s baseline (--model.scst_baseline=greedy): each image's K samples are judged against the reward
     of its greedy caption, decoded in eval mode (no dropout), after which the model trains on."""
     from captioner.lit_module import CaptioningModule
-    from captioner.scst import SelfCritical
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"]
     sizes = {"embed_dim": 8, "decoder_dim": 8, "attention_dim": 8, "pretrained": False, "image_size": 64}
     module = CaptioningModule(vocab, objective="scst", scst_baseline="greedy", scst_samples=3, **sizes).train()
     references = [[["a", "red", "circle"]], [["a", "circle"]]]
-    module._self_critical = SelfCritical(references, "greedy")
+    module.objective = SelfCritical(references, module.vocab, samples=3, baseline="greedy")
     generate, modes, logged = module.model.generate, [], {}
 
     def spy(*args, **kwargs):
@@ -159,12 +157,12 @@ def test_the_greedy_baseline_is_the_reward_of_the_image_s_greedy_caption_decoded
     monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.__setitem__(name, float(value)))
     P, E = module.model.encoder.num_pixels, module.model.encoder.out_dim
     batch = {"annotations": torch.randn(2, P, E).relu(), "index": torch.tensor([0, 1])}
-    loss = module._self_critical_step(batch)
+    loss = module.training_step(batch, 0)
     loss.backward()
     assert modes == [False] and module.model.training  # decoded in eval mode, then back to training
     module.model.eval()
     greedy = generate(annotations=batch["annotations"], max_len=module.hparams.max_caption_len)
     words = [[vocab_words] for vocab_words in map(module.vocab.decode_tokens, greedy.tokens.tolist())]
-    expected = module._self_critical.rewards(words, [0, 1])[:, 0].mean()
+    expected = module.objective.rewards(words, [0, 1])[:, 0].mean()
     assert logged["train/baseline"] == pytest.approx(float(expected), abs=1e-6)
     assert torch.isfinite(loss) and module.model.decoder.L_o.weight.grad is not None

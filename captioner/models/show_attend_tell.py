@@ -52,6 +52,25 @@ def _recompile_limit(limit: int):
     return config.patch(**{name: max(getattr(config, name), limit)})
 
 
+def compile_options(device_type: str, accumulate: int = 1, backend: str | None = None) -> tuple[dict, str | None]:
+    """torch.compile's options for the training step (`ShowAttendTell.compile_step`), and a line to log about them.
+
+    On CUDA, mode="reduce-overhead": the step's many small kernels are captured as CUDA graphs and replayed, a launch
+    each. A graph's outputs live in its own memory, which its next replay overwrites, and the gradients of the first
+    of several accumulated batches are such outputs (a known PyTorch limitation): with `accumulate` > 1 the step is
+    compiled without CUDA graphs."""
+    options = {"backend": backend} if backend else {}
+    if device_type != "cuda":
+        return options, None
+    if accumulate > 1:
+        note = (
+            f"compiled step: without CUDA graphs, since gradients are accumulated over {accumulate} batches (a graph's "
+            "next replay would overwrite them)"
+        )
+        return options, note
+    return {**options, "mode": "reduce-overhead"}, None
+
+
 class Loss(NamedTuple):
     """The training objective and its parts, each averaged as logged."""
 
@@ -123,25 +142,6 @@ def hard_attention_terms(
     advantage = (log_likelihood - baseline).detach()  # (B,)
     per_caption = reinforce_weight * advantage * (log_p_s * mask).sum(1) + entropy_weight * (entropy * mask).sum(1)
     return -per_caption.mean()
-
-
-def self_critical_loss(
-    log_probs: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, baselines: torch.Tensor
-) -> torch.Tensor:
-    """Self-critical sequence training's objective (Rennie et al. 2017), averaged over the images:
-
-        - 1/K sum_k (r_k - b_k) sum_t log p(w^k_t | w^k_<t, I)
-
-    Its gradient is REINFORCE's with the baseline b: (r - b) is held constant.
-
-    Args:
-        log_probs: (B,K,T) log-probability of each drawn word (`Samples.log_probs`).
-        mask: (B,K,T) the real words, <end> included.
-        rewards: (B,K) r_k, the CIDEr-D of each sampled caption.
-        baselines: (B,K) b_k: the mean reward of the image's other samples (Luo 2020), or its greedy caption's.
-    """
-    advantage = (rewards - baselines).detach()  # (B,K)
-    return -(advantage * (log_probs * mask).sum(-1)).mean()
 
 
 class ShowAttendTell(nn.Module):
