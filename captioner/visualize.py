@@ -6,11 +6,55 @@ so `import captioner` never pulls in plotting code.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from functools import cache, lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+log = logging.getLogger(__name__)
+
+# Labels are drawn in DejaVu Sans, shipped with the package (assets/LICENSE-DejaVu.txt): Latin with any diacritics,
+# Greek, Cyrillic and more. For scripts it lacks (Chinese, Japanese, Korean...), a font of the system that has them.
+FONT = Path(__file__).parent / "assets" / "DejaVuSans.ttf"
+FALLBACK_FONTS = (  # Debian's fonts-noto-cjk, fonts-wqy-zenhei, fonts-droid-fallback; macOS; Windows
+    "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",
+    "/usr/share/fonts/truetype/wqy/wqy-zenhei.ttc",
+    "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf",
+    "/System/Library/Fonts/PingFang.ttc",
+    "C:/Windows/Fonts/msyh.ttc",
+)
+LABEL_SIZE = 13
+
+
+@cache
+def _font(path: str, size: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.truetype(path, size)
+
+
+def _draws(font: ImageFont.FreeTypeFont, text: str) -> bool:
+    """Whether `font` has a glyph for every character of `text` (a missing one draws as the font's empty box)."""
+    box = font.getmask("\U000f0000")  # a private-use character: no font draws it
+    missing = (box.size, bytes(box))
+    return all(ch.isspace() or (mask.size, bytes(mask)) != missing for ch in set(text) for mask in [font.getmask(ch)])
+
+
+@lru_cache(maxsize=1024)
+def label_font(text: str, size: int = LABEL_SIZE) -> ImageFont.FreeTypeFont:
+    """The font that draws `text`: DejaVu Sans, or else the first system font of `FALLBACK_FONTS` that draws it all;
+    where none does, DejaVu Sans, and one log line naming what cannot be drawn (its letters show as boxes)."""
+    font = _font(str(FONT), size)
+    if _draws(font, text):
+        return font
+    for path in FALLBACK_FONTS:
+        if Path(path).is_file() and _draws(_font(path, size), text):
+            return _font(path, size)
+    lacking = "".join(sorted({ch for ch in text if not ch.isspace() and not _draws(font, ch)}))[:20]
+    log.warning("no font here draws %r: install one that does (Debian: fonts-noto-cjk) to see it in overlays", lacking)
+    return font
 
 
 def _numpy(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -88,14 +132,15 @@ def attention_grid(
     rows = -(-len(tiles) // columns)
     sheet = Image.new("RGB", (max(columns * width, 360), rows * (height + title_height) + bar_height), "white")
     draw = ImageDraw.Draw(sheet)
-    font = ImageFont.load_default()
+    font = label_font(" ".join(words))
     for k, (word, picture) in enumerate(tiles):
         x, y = (k % columns) * width, (k // columns) * (height + title_height)
-        draw.text((x + 4, y + 4), word, fill="black", font=font)
+        draw.text((x + 4, y + 3), word, fill="black", font=font)
         sheet.paste(picture, (x, y + title_height))
     y = rows * (height + title_height) + 6
-    top = "each word's own largest weight" if scale is None else f"{scale:.3f}"  # PIL's default font has no α
-    draw.text((4, y), "attention weight: 0", fill="black", font=font)
+    font = label_font("")
+    top = "each word's own largest α" if scale is None else f"{scale:.3f}"
+    draw.text((4, y), "attention α: 0", fill="black", font=font)
     for i in range(200):  # the bar, from the darkest overlay to the brightest
         level = round(255 * (floor + (1 - floor) * i / 199))
         draw.line([(130 + i, y), (130 + i, y + 12)], fill=(level, level, level))

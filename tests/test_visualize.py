@@ -98,3 +98,30 @@ def test_tiles_keep_the_photo_s_aspect_ratio(size, tile_size):
     assert sheet.shape[0] == 22 + height + 24  # one row of tiles, then the colour bar
     tile = sheet[22 : 22 + height, width : 2 * width]  # the word's tile, right of the photo's
     assert tile[:, : width // 2 - 16].mean() > 150 and tile[:, width // 2 + 16 :].mean() < 80
+
+
+@pytest.mark.parametrize(
+    "caption",
+    ["một con chó đen", "ein schöner Hund, façade, Ærø", "собака на траве", "ένας σκύλος", "a red circle"],
+    ids=["vietnamese", "latin", "cyrillic", "greek", "english"],
+)
+def test_labels_of_every_script_the_tokenizer_keeps_are_drawn_from_the_bundled_font(caption):
+    """Not PIL's default font, which draws "một con chó đen" as "m□t con ch□ □en"."""
+    from captioner.visualize import FONT, _draws, label_font
+
+    font = label_font(caption)
+    assert font.path == str(FONT) and _draws(font, caption)
+    assert not _draws(font, "\U000f0001")  # the check can fail: a character no font has
+
+
+def test_a_script_the_bundled_font_lacks_takes_a_system_font_or_is_said_once(caplog):
+    from captioner.visualize import FONT, _draws, label_font
+
+    with caplog.at_level("WARNING", logger="captioner.visualize"):
+        font = label_font("一只黑狗")
+    if font.path != str(FONT):  # a system font with Chinese (fonts-noto-cjk, say)
+        assert _draws(font, "一只黑狗") and not caplog.records
+    else:
+        assert [r.getMessage() for r in caplog.records] == [
+            "no font here draws '一只狗黑': install one that does (Debian: fonts-noto-cjk) to see it in overlays"
+        ]
