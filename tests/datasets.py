@@ -97,6 +97,19 @@ def write_karpathy_like(root: Path, split_file: str, image_root: str) -> None:
     (root / split_file).write_text(json.dumps({"images": images, "dataset": "coco" if coco else "flickr8k"}))
 
 
+def write_ucm(root: Path, split_file: str, image_root: str) -> None:
+    """UCM-captions' layout: 256x256 RGB TIFF files named 1.tif, 2.tif... directly in image_root, and a Karpathy
+    file without "filepath" whose sentences end with " ." as UCM's do. 12 images: 8 train, 2 val, 2 test."""
+    images = []
+    for i, split in enumerate(["train"] * 8 + ["val"] * 2 + ["test"] * 2):
+        name = list(CAPTIONS)[i % len(CAPTIONS)]
+        (root / image_root).mkdir(parents=True, exist_ok=True)
+        photo(name.split(".")[0]).resize((256, 256)).save(root / image_root / f"{i + 1}.tif")
+        sentences = [{"raw": f"{c} .", "tokens": c.split(), "imgid": i} for c in CAPTIONS[name]]
+        images.append({"filename": f"{i + 1}.tif", "split": split, "imgid": i, "sentences": sentences})
+    (root / split_file).write_text(json.dumps({"images": images, "dataset": "ucm"}))
+
+
 def write_for_config(data: dict, cwd: Path) -> None:
     """Fixture data, in its dataset's own format, where a config's `data` section looks for it (relative to cwd).
     The built-in shapes set needs none."""
@@ -105,7 +118,9 @@ def write_for_config(data: dict, cwd: Path) -> None:
         return
     root = cwd / args["data_dir"]
     fmt = args.get("format", "karpathy")
-    if fmt == "karpathy":
+    if fmt == "karpathy" and Path(args["data_dir"]).name == "ucm":
+        write_ucm(root, args["split_file"], args["image_root"])
+    elif fmt == "karpathy":
         write_karpathy_like(root, args.get("split_file", "dataset_coco.json"), args.get("image_root", "."))
     elif fmt == "custom":
         assert args.get("captions_file", "captions.jsonl") == "captions.jsonl" and args.get("image_dir") == "images"
