@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -275,10 +276,9 @@ def evaluate(argv: list[str]) -> None:
     import torch
     from tqdm import tqdm
 
-    from captioner.data.shapes import attention_ceiling, attention_correctness
     from captioner.data.vocab import tokenize
     from captioner.lightning_cli import load_module
-    from captioner.metrics import coco_caption_scores
+    from captioner.metrics import attention_peaks, attention_scores, coco_caption_scores
 
     module = load_module(args.checkpoint).eval()  # first: a missing or foreign checkpoint is named in one line
     datamodule = _evaluation_data(args.config, args.checkpoint, overrides)
@@ -288,7 +288,7 @@ def evaluate(argv: list[str]) -> None:
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}  # image id -> the caption's text; -> its references' texts
-    exact, masses, ceilings = [], [], []  # per image: a reference word for word?; per object word (shapes)
+    exact, peaks, masses, ceilings = [], [], [], []  # per image; per word; per object word (shapes)
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if not batch:  # no readable image in the batch (each was reported)
             continue
@@ -302,11 +302,10 @@ def evaluate(argv: list[str]) -> None:
             references[image_id] = source.captions(index)
             words = module.vocab.decode_tokens(tokens)
             exact.append(words in batch["references"][i])
-            if batch["objects"][i] is not None:  # a dataset with object boxes (shapes): where the words looked
-                size, grid, objects = batch["canvas"][i], module.model.encoder.grid_hw, batch["objects"][i]
-                alphas = generation.alphas[i].cpu()
-                masses += attention_correctness(words, alphas, grid, objects, (size, size))[0]
-                ceilings += attention_ceiling(words, grid, objects, (size, size))
+            alphas, grid = generation.alphas[i, : len(words)].cpu(), module.model.encoder.grid_hw
+            peaks += attention_peaks(alphas)
+            found, _, best = attention_scores(words, alphas, grid, batch["objects"][i], batch["canvas"][i])
+            masses, ceilings = masses + found, ceilings + best  # datasets with object boxes (shapes)
     if args.ptb_tokenizer:
         scores = coco_caption_scores(hypotheses, references)
     else:  # the words that the vocabulary, training and validation see, in any script
@@ -315,6 +314,10 @@ def evaluate(argv: list[str]) -> None:
             words, {k: [" ".join(tokenize(c)) for c in v] for k, v in references.items()}, tokenized=True
         )
     scores["exact_reference"] = sum(exact) / max(len(exact), 1)  # captions that are one of their references
+    if peaks:  # how peaked attention is: a word's share in its strongest tenth of the grid, and uniform's
+        P = module.model.encoder.num_pixels
+        scores["attention_top_tenth"] = sum(peaks) / len(peaks)
+        scores["attention_top_tenth_uniform"] = math.ceil(P / 10) / P
     if masses:
         scores["attention_correctness"] = sum(masses) / len(masses)
         scores["attention_ceiling"] = sum(ceilings) / len(ceilings)

@@ -32,3 +32,16 @@ def test_cider_d_of_a_two_image_corpus_by_hand():
     references = [[["a", "red", "circle"]], [["a", "blue", "square"]]]
     assert cider(hypotheses, references) == pytest.approx(5.0, rel=1e-9)
     assert cider([], []) == 0.0
+
+
+def test_how_peaked_attention_is_is_a_word_s_share_in_its_strongest_tenth_of_the_grid():
+    import torch
+
+    from captioner.metrics import attention_peaks
+
+    uniform, spot = torch.full((49,), 1 / 49), torch.zeros(49)
+    spot[7] = 1.0
+    two = torch.zeros(196)
+    two[:40] = 1 / 40  # 20 of its 40 cells are the strongest tenth of 196
+    assert attention_peaks(torch.stack([uniform, spot])) == pytest.approx([5 / 49, 1.0])
+    assert attention_peaks(two.unsqueeze(0)) == pytest.approx([0.5]) and attention_peaks(torch.zeros(0, 49)) == []
