@@ -19,6 +19,7 @@ CHECKPOINT = "the checkpoint"  # how a checkpoint loaded without a Trainer is na
 LR_SCHEDULES = ("plateau", "cosine", "none")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
+TEACHER_FORCING = TeacherForcing()  # the paper's loss: training's by default, and validation's and test's always
 
 
 class CaptioningModule(L.LightningModule):
@@ -102,7 +103,7 @@ class CaptioningModule(L.LightningModule):
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._decoded: list[Decoded] = []  # this validation's or test's captions so far
         self._resumed_rng_states: dict | None = None
-        self.objective: TeacherForcing | SelfCritical = TeacherForcing()  # SCST's is made when a fit starts
+        self.objective: TeacherForcing | SelfCritical = TEACHER_FORCING  # SCST's is made when a fit starts
         self._unchecked_loss: torch.Tensor | None = None  # the training losses since the last optimizer step
         self._non_finite: str | None = None  # the first non-finite loss of this validation or test, said at its end
 
@@ -155,7 +156,7 @@ class CaptioningModule(L.LightningModule):
 
     def _shared_step(self, batch: dict, stage: str, objective=None) -> torch.Tensor:
         """The loss of `objective` (validation and test: teacher forcing), logged under `stage` with its parts."""
-        loss, parts = (objective or TeacherForcing())(self.model, batch)
+        loss, parts = (objective or TEACHER_FORCING)(self.model, batch)
         B = batch["index"].numel()
         self._log_loss(loss, stage, B)
         for name, value in parts.items():
