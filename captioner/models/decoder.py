@@ -155,43 +155,54 @@ class AttentionDecoder(nn.Module):
         self,
         annotations: torch.Tensor,
         captions: torch.Tensor,
-        lengths: torch.Tensor,
+        lengths: torch.Tensor | None = None,
         sample: bool = False,
         locations: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Teacher forcing, on the captions still going at each step (the shrinking batch: fewest FLOPs, the CPU's
-        path; `forward_fixed` is the GPU's).
+        """Teacher forcing, in one of two forms that compute the same on every real word:
+        - with `lengths`, the shrinking batch (the CPU's: fewest FLOPs). The batch is sorted by length and each step
+          runs only the captions still going; padded steps compute nothing and their outputs are zero.
+        - without (the GPU's, `ShowAttendTell.compile_step`), fixed shapes: every caption runs all T-1 steps, in the
+          batch's order; padded steps' alphas and locations are zeroed, their logits left as computed (the loss
+          ignores them). Nothing depends on the data but the values: no host sync, one shape per (B,T), so the step
+          can be compiled whole and captured as a CUDA graph. The LSTM fed a padding word after a caption's end
+          changes no earlier step; the real words are `captions[:, 1:] != pad`.
 
         Args:
             annotations: (B,P,E).
             captions: (B,T) token ids, `<start> w1 ... wn <end>` then padding.
-            lengths: (B,) real length of each caption, <start> and <end> included.
+            lengths: (B,) real length of each caption, <start> and <end> included; None: fixed shapes.
             sample: hard attention: each step attends to one sampled location (`attend`).
             locations: with `sample`, (B,T-1) locations to take as drawn instead of drawing them (tests).
 
         Returns:
-            logits (B,T-1,V) predicting captions[:, 1:], and alphas (B,T-1,P); both are zero at padded steps, where
-            nothing is computed: the batch is sorted by length and each step runs only the captions still going.
-            With `sample`, also the sampled locations (B,T-1), 0 at padded steps.
+            logits (B,T-1,V) predicting captions[:, 1:], alphas (B,T-1,P) and, with `sample`, the sampled locations
+            (B,T-1) (0 at padded steps).
         """
         B, P, _ = annotations.shape
-        steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
-        order = steps.argsort(descending=True)
-        steps, annotations, inputs = steps[order], annotations[order], captions[order]
-        given = locations[order] if locations is not None else None
+        T = captions.size(1) - 1
+        if lengths is not None:
+            steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
+            order = steps.argsort(descending=True)
+            steps, annotations, captions = steps[order], annotations[order], captions[order]
+            locations = locations[order] if locations is not None else None
+            T = int(steps[0])
+            running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t-1)
         keys = self.prepare(annotations)  # (B,P,K)
         h, c = self.init_state(annotations)  # (B,D) each
-        T = int(steps[0])
-        running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t - 1)
-        memory, rows = annotations, []  # each step's (E y_{t-1}, h_t, z_t, alpha_t), for the captions still going
+        memory, rows = annotations, []  # each step's (E y_{t-1}, h_t, z_t, alpha_t[, s_t]), for the captions going
         for t in range(T):
-            bt = int(running[t + 1])  # captions with more than t steps; sorted, so they are the first bt
+            bt = int(running[t + 1]) if lengths is not None else B  # captions with more than t steps: the first bt
             if bt < h.size(0):  # shrink only when a caption ends: a slice costs a full-size zero-fill in backward
                 h, c, memory, keys = h[:bt], c[:bt], memory[:bt], keys[:bt]
-            location = given[:bt, t] if sample and given is not None else None
+            location = locations[:bt, t] if sample and locations is not None else None
             context, alpha, *location = self.attend(h, memory, keys, sample, location)
-            y, (h, c) = self.recur(inputs[:bt, t], context, (h, c))
+            y, (h, c) = self.recur(captions[:bt, t], context, (h, c))
             rows.append((y, h, context, alpha, *location))
+        if lengths is None:
+            y, h, context, alpha, *location = (torch.stack(parts, dim=1) for parts in zip(*rows, strict=True))
+            real = captions[:, 1:] != self.embedding.padding_idx  # (B,T-1)
+            return self.output(y, h, context), alpha * real.unsqueeze(-1), *(s * real for s in location)
         # The output layer once, on the real words of all steps: larger matmuls than one call per step. Then each
         # word goes to its (step, caption) place; padding stays zero.
         y, h, context, alpha, *location = (torch.cat(parts) for parts in zip(*rows, strict=True))  # (words,.)
@@ -200,44 +211,12 @@ class AttentionDecoder(nn.Module):
         logits[real] = self.output(y, h, context).to(logits.dtype)  # autocast may give another dtype
         alphas = annotations.new_zeros(T, B, P)
         alphas[real] = alpha.to(alphas.dtype)
-        inverse = order.argsort()
-        outputs = [logits, alphas]  # (B,T,V), (B,T,P)
+        outputs = [logits, alphas]  # (T,B,V), (T,B,P)
         if sample:
             outputs.append(steps.new_zeros(T, B))
-            outputs[-1][real] = location[0]  # (B,T)
+            outputs[-1][real] = location[0]  # (T,B)
+        inverse = order.argsort()
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
-
-    def forward_fixed(
-        self,
-        annotations: torch.Tensor,
-        captions: torch.Tensor,
-        sample: bool = False,
-        locations: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """Teacher forcing with fixed shapes, the GPU's path: every caption runs all T-1 steps, in the batch's order.
-        Padded steps are computed, and their alphas and locations zeroed; their logits are left as computed (the loss
-        ignores them). Nothing depends on the data but the values: no host syncs, one shape per (B, T), so the step
-        can be compiled whole and captured as a CUDA graph. On real words it computes what `forward` computes: the
-        LSTM fed a padding word after a caption's end changes no earlier step.
-
-        Args and returns as `forward`, without `lengths`: the real words are `captions[:, 1:] != pad`.
-        """
-        T = captions.size(1)
-        keys = self.prepare(annotations)  # (B,P,K)
-        h, c = self.init_state(annotations)  # (B,D) each
-        rows = []  # each step's (E y_{t-1}, h_t, z_t, alpha_t[, s_t])
-        for t in range(T - 1):
-            given = locations[:, t] if sample and locations is not None else None
-            context, alpha, *location = self.attend(h, annotations, keys, sample, given)
-            y, (h, c) = self.recur(captions[:, t], context, (h, c))
-            rows.append((y, h, context, alpha, *location))
-        y, h, context, alpha, *location = (torch.stack(parts, dim=1) for parts in zip(*rows, strict=True))  # (B,T-1,.)
-        real = captions[:, 1:] != self.embedding.padding_idx  # (B,T-1)
-        logits = self.output(y, h, context)  # (B,T-1,V)
-        outputs = [logits, alpha * real.unsqueeze(-1)]
-        if sample:
-            outputs.append(location[0] * real)
-        return tuple(outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
         """Compile the per-word methods with `torch.compile(**options)` (dynamic shapes unless `options` say

@@ -56,72 +56,46 @@ def greedy_search(
     """Pick the most probable word at every step until every caption has produced <end> or max_len words.
 
     Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
-    - the active batch shrinks as captions end: the decoder only runs the captions still being written;
+    - the batch shrinks as captions end: the decoder only runs the captions still being written, and the host reads
+      at every word which have ended (the CPU's way: 1.43x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
       read once every CHECK_EVERY words: the device never waits for the host in between.
     """
     if max_len < 1:
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
-    if sync_free_default(annotations, sync_free):
-        return _greedy_search_sync_free(decoder, annotations, start_index, end_index, max_len, pad_index)
-    B, P, _ = annotations.shape
-    device = annotations.device
-    h, c = decoder.init_state(annotations)  # (B,D) each
-    keys = decoder.prepare(annotations)  # (B,P,K)
-    alive = torch.arange(B, device=device)  # the captions still being written, and the rows of h, c, annotations
-    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
-    out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
-    out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
-    scores = torch.zeros(B, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-    steps = 0
-    for t in range(max_len):
-        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
-        log_probs = F.log_softmax(logits.float(), dim=-1)
-        log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
-        best, tokens = log_probs.max(dim=-1)  # (N,), (N,)
-        out_tokens[alive, t] = tokens
-        out_alphas[alive, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
-        scores.index_add_(0, alive, best)
-        lengths[alive] += 1
-        steps = t + 1
-        running = tokens != end_index
-        if not bool(running.all()):
-            if not bool(running.any()):
-                break
-            keep = running.nonzero().squeeze(1)
-            alive, tokens, h, c = alive[keep], tokens[keep], h[keep], c[keep]
-            annotations, keys = annotations[keep], keys[keep]
-    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
-
-
-def _greedy_search_sync_free(
-    decoder: AttentionDecoder, annotations: torch.Tensor, start_index: int, end_index: int, max_len: int, pad_index: int
-) -> Generation:
+    sync_free = sync_free_default(annotations, sync_free)
     B, P, _ = annotations.shape
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D) each
     keys = decoder.prepare(annotations)  # (B,P,K)
     never = torch.tensor([pad_index, start_index], device=device)  # words never generated
+    rows = torch.arange(B, device=device)  # the output rows of the batch's captions, and of h, c, annotations
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)
     out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
     out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # only ever true in the sync-free batch
     for t in range(max_len):
-        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (B,V), _, (B,P)
-        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))
-        best, tokens = log_probs.max(dim=-1)  # (B,), (B,)
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
+        best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
         writing = ~finished
         tokens = tokens.masked_fill(finished, pad_index)  # an ended caption goes on with <pad>
-        out_tokens[:, t] = tokens
-        out_alphas[:, t] = alpha.float() * writing.unsqueeze(1)
-        scores += best * writing
-        lengths += writing
+        out_tokens[rows, t] = tokens
+        out_alphas[rows, t] = alpha.float() * writing.unsqueeze(1)
+        scores[rows] += best * writing
+        lengths[rows] += writing
         finished = finished | (tokens == end_index)
-        if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
-            break
+        if sync_free:
+            if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+                break
+        elif bool(finished.any()):  # the ended captions leave the batch
+            keep = (~finished).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            rows, tokens, h, c, annotations, keys, finished = (
+                x[keep] for x in (rows, tokens, h, c, annotations, keys, finished)
+            )
     steps = int(lengths.max())
     return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
 
@@ -153,7 +127,8 @@ def beam_search(
     returns an empty caption.
 
     `sync_free` (by default on CUDA, see `sync_free_default`) finds the same captions with fixed shapes: every image
-    and hypothesis runs every step, and whether all have finished is read once every CHECK_EVERY words.
+    and hypothesis runs every step, and whether all have finished is read once every CHECK_EVERY words. On a CPU the
+    shrinking search is the faster (1.35x at batch 64, docs/benchmarks.md); on a GPU its per-word reads stall.
     """
     B, P, _ = annotations.shape
     K = beam_size
@@ -205,10 +180,8 @@ def beam_search(
         if some_ended:
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-        was_finished = finished[parents]
+        was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
         h, c = h[parents], c[parents]
-        lengths = lengths[parents] + (~was_finished).long()
-        finished = was_finished | (tokens == end_index)
 
         step_tokens, step_parents = tokens, input_rows[parents]
         step_alphas = alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
@@ -281,10 +254,8 @@ def _beam_search_sync_free(
             carry = finished_extension(K, V, pad_index, device)
         log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
         scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-        was_finished = finished[parents]
+        was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
         h, c = h[parents], c[parents]
-        lengths = lengths[parents] + (~was_finished).long()
-        finished = was_finished | (tokens == end_index)
         record_tokens.append(tokens)
         record_parents.append(parents * K if G == 1 else parents)  # the first step's input: row b*K of image b
         record_alphas.append(alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0))
@@ -326,6 +297,12 @@ def _best_extensions(
     parents = (best // V + torch.arange(A, device=scores.device).unsqueeze(1) * G).view(-1)  # (A*K,)
     tokens = best.view(-1) % V  # (A*K,); not a view, which would give torch.compile one more graph
     return scores, parents, tokens
+
+
+def _follow(parents: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, end: int):
+    """The chosen extensions' rows (A*K,): whether their parent had finished, their lengths and finished flags."""
+    was_finished = finished[parents]
+    return was_finished, lengths[parents] + (~was_finished).long(), was_finished | (tokens == end)
 
 
 def _read_back(

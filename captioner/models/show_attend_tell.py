@@ -221,9 +221,8 @@ class ShowAttendTell(nn.Module):
     ) -> Loss:
         """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss.
 
-        Runs the shrinking batch (`AttentionDecoder.forward`), or with `fixed_shape` the fixed-shape step
-        (`AttentionDecoder.forward_fixed`) on captions padded to `bucket_steps`, compiled when `compile_step` was
-        called. Both give the same loss.
+        Runs the decoder's shrinking batch, or with `fixed_shape` its fixed shapes (`AttentionDecoder.forward`) on
+        captions padded to `bucket_steps`, compiled when `compile_step` was called. Both give the same loss.
         """
         annotations = self.annotate(images, annotations)
         hard_training = self.training and self.attention_mode == "hard"
@@ -251,10 +250,8 @@ class ShowAttendTell(nn.Module):
         decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the baseline b, which this leaves as it
         is. `locations` (B,T-1) are taken as sampled instead of drawing them (tests); `baseline` is b (by default the
         model's `reward_baseline`)."""
-        if self.fixed_shape:  # every caption runs T-1 steps: no host sync, one shape per (B,T)
-            logits, alphas, *drawn = self.decoder.forward_fixed(annotations, captions, sample, locations)
-        else:
-            logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
+        lengths = None if self.fixed_shape else lengths  # fixed shapes: no host sync, one shape per (B,T)
+        logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
         loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index, sync_free=self.fixed_shape)
         if not sample:
