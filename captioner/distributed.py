@@ -1,11 +1,15 @@
-"""What training shares between processes (DDP) and across a resume: the gather of records, the random generators."""
+"""What training shares between processes (DDP) and across a resume: the gather of records, the random generators,
+the stop on a non-finite loss."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from captioner.errors import CaptionerError
 
 
 def distributed() -> bool:
@@ -33,3 +37,50 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class FiniteLosses:
+    """Stops training on a NaN or infinite loss, every process at once with the same line, rather than train and log
+    NaN to the end (a process that stopped alone would leave the others waiting in their next collective until it
+    timed out).
+
+    Training losses are summed since the last optimizer step and checked there (`check_step`): after the backward
+    pass was queued (reading a loss in the step would make the host wait for the device), before the optimizer can
+    write non-finite weights, and summed over the processes first (one all_reduce). A validation's or test's first
+    non-finite loss is noted (`add`) and said at the epoch's end (`check_epoch`), gathered from every process.
+
+    Args:
+        where: says where training is (epoch and step), for the error.
+    """
+
+    def __init__(self, where: Callable[[], str]):
+        self.where = where
+        self.pending: torch.Tensor | None = None  # the training losses since the last optimizer step
+        self.problem: str | None = None  # this validation's or test's first non-finite loss
+
+    def add(self, stage: str, loss: torch.Tensor) -> None:
+        if stage == "train":  # accumulated batches: their sum is finite only if every loss is
+            self.pending = loss.detach() if self.pending is None else self.pending + loss.detach()
+        elif self.problem is None and not torch.isfinite(loss):
+            self.problem = self.explain(stage, loss.item())
+
+    def check_step(self, device: torch.device) -> None:
+        loss, self.pending = self.pending, None
+        if distributed():
+            loss = loss.clone() if loss is not None else torch.zeros((), device=device)
+            dist.all_reduce(loss)
+        if loss is not None and not torch.isfinite(loss):
+            raise CaptionerError(self.explain("train", loss.item()))
+
+    def explain(self, stage: str, value: float) -> str:
+        return (
+            f"{stage}/loss is {value} at {self.where()}: the model overflowed (annotations too large for the decoder, "
+            "a learning rate too high, or float16 precision: try --model.decoder_lr lower, "
+            "--trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
+        )
+
+    def check_epoch(self) -> None:
+        problems = [problem for problem in gather([self.problem]) if problem]
+        self.problem = None
+        if problems:
+            raise CaptionerError(problems[0])

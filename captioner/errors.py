@@ -11,3 +11,9 @@ class ConfigError(CaptionerError, ValueError):
 
 class WeightsUnavailableError(CaptionerError, RuntimeError):
     """Pretrained weights are neither cached locally nor downloadable."""
+
+
+def check_choice(option: str, value, choices) -> None:
+    """The one-line error for a setting that is not one of its `choices`."""
+    if value not in choices:
+        raise ConfigError(f"unknown {option} {value!r}; choose one of {', '.join(map(str, choices))}")

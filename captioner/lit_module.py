@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
 from captioner.data.vocab import Vocabulary
-from captioner.distributed import distributed, gather, rng_states, set_rng_states
-from captioner.errors import CaptionerError, ConfigError
+from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states
+from captioner.errors import ConfigError, check_choice
 from captioner.metrics import Decoded, attention_scores, split_scores
 from captioner.models.show_attend_tell import ShowAttendTell, compile_options
 from captioner.objectives import SelfCritical, TeacherForcing, check_options
@@ -84,10 +83,8 @@ class CaptioningModule(L.LightningModule):
         super().__init__()
         if encoder_lr <= 0 or decoder_lr <= 0:
             raise ConfigError(f"learning rates must be positive, got encoder_lr={encoder_lr}, decoder_lr={decoder_lr}")
-        if lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"unknown lr_schedule {lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
-        if lr_monitor not in LR_MONITORS:
-            raise ConfigError(f"unknown lr_monitor {lr_monitor!r}; choose one of {', '.join(LR_MONITORS)}")
+        check_choice("lr_schedule", lr_schedule, LR_SCHEDULES)
+        check_choice("lr_monitor", lr_monitor, LR_MONITORS)
         check_options(objective, scst_samples, scst_baseline, model_options.get("attention_mode", "soft"))
         if str(compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile must be auto, true or false, got {compile!r}")
@@ -104,8 +101,7 @@ class CaptioningModule(L.LightningModule):
         self._decoded: list[Decoded] = []  # this validation's or test's captions so far
         self._resumed_rng_states: dict | None = None
         self.objective: TeacherForcing | SelfCritical = TEACHER_FORCING  # SCST's is made when a fit starts
-        self._unchecked_loss: torch.Tensor | None = None  # the training losses since the last optimizer step
-        self._non_finite: str | None = None  # the first non-finite loss of this validation or test, said at its end
+        self.finite_losses = FiniteLosses(lambda: f"epoch {self.current_epoch}, step {self.global_step}")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -158,40 +154,16 @@ class CaptioningModule(L.LightningModule):
         """The loss of `objective` (validation and test: teacher forcing), logged under `stage` with its parts."""
         loss, parts = (objective or TEACHER_FORCING)(self.model, batch)
         B = batch["index"].numel()
-        self._log_loss(loss, stage, B)
+        self.finite_losses.add(stage, loss)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=B)
+        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
+            self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=B, sync_dist=True)
         for name, value in parts.items():
             self.log(f"{stage}/{name}", value, prog_bar=name == "reward", batch_size=B)
         return loss
 
-    def _log_loss(self, loss: torch.Tensor, stage: str, batch_size: int) -> None:
-        if stage == "train":  # checked before the optimizer step (`on_before_optimizer_step`), in every process
-            pending = self._unchecked_loss  # accumulated batches: their sum is finite only if every loss is
-            self._unchecked_loss = loss.detach() if pending is None else pending + loss.detach()
-        elif self._non_finite is None and not torch.isfinite(loss):  # said at the epoch's end, by every process
-            self._non_finite = self._loss_error(stage, loss.item())
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size)
-        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
-            self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
-
-    def _loss_error(self, stage: str, value: float) -> str:
-        return (
-            f"{stage}/loss is {value} at epoch {self.current_epoch}, step {self.global_step}: the model overflowed "
-            "(annotations too large for the decoder, a learning rate too high, or float16 precision: try "
-            "--model.decoder_lr lower, --trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
-        )
-
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Stop on a NaN or infinite training loss, rather than train and log NaN to the end: here, after the backward
-        pass was queued (reading the loss in the step would make the host wait for the device) and before the
-        optimizer can write non-finite weights. Under DDP the losses of every process are summed first, so that all
-        stop together with the same line (a process that stopped alone would leave the others waiting in the next
-        collective until it timed out)."""
-        loss, self._unchecked_loss = self._unchecked_loss, None
-        if distributed():
-            loss = loss.clone() if loss is not None else torch.zeros((), device=self.device)
-            dist.all_reduce(loss)
-        if loss is not None and not torch.isfinite(loss):
-            raise CaptionerError(self._loss_error("train", loss.item()))
+        self.finite_losses.check_step(self.device)  # every process stops on a non-finite loss, or none
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if not batch:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
@@ -228,10 +200,7 @@ class CaptioningModule(L.LightningModule):
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
         that the DistributedSampler repeated to even out the ranks count once. Every rank gets the same values."""
-        problems = [problem for problem in gather([self._non_finite]) if problem]  # every process stops, or none
-        self._non_finite = None
-        if problems:
-            raise CaptionerError(problems[0])
+        self.finite_losses.check_epoch()  # every process stops on a non-finite loss, or none
         decoded, self._decoded = gather(self._decoded), []
         metrics = {f"{stage}/{name}": value for name, value in split_scores(decoded).items()}
         for name, value in metrics.items():  # equal on every rank: "max" keeps it exact and Lightning's DDP check quiet
@@ -285,18 +254,13 @@ class CaptioningModule(L.LightningModule):
         if encoder_params:
             groups.append({"params": encoder_params, "lr": hp.encoder_lr})
         optimizer = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
+        if hp.lr_schedule == "cosine":
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.max_epochs or 1))
+            return {"optimizer": optimizer, "lr_scheduler": cosine}
         if hp.lr_schedule == "none":
             return optimizer
-        if hp.lr_schedule == "cosine":
-            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-                optimizer, T_max=max(1, self.trainer.max_epochs or 1)
-            )
-            return {"optimizer": optimizer, "lr_scheduler": scheduler}
-        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            optimizer, mode="max", factor=hp.lr_factor, patience=hp.lr_patience
-        )  # stepped by on_validation_epoch_end; Lightning saves and restores its state
-        # strict=False: a run without validation (limit_val_batches=0) warns that the metric is missing, not crash.
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "monitor": hp.lr_monitor, "strict": False},
-        }
+        # Stepped by on_validation_epoch_end; Lightning saves and restores its state. strict=False: a run without
+        # validation (limit_val_batches=0) warns that the metric is missing, not crash.
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", hp.lr_factor, hp.lr_patience)
+        scheduler = {"scheduler": plateau, "monitor": hp.lr_monitor, "strict": False}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}

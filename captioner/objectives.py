@@ -19,7 +19,7 @@ import torch
 
 from captioner.cider import CiderD
 from captioner.data.vocab import Vocabulary
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, check_choice
 from captioner.models.show_attend_tell import ShowAttendTell
 
 OBJECTIVES = ("xe", "scst")
@@ -28,10 +28,8 @@ Logged = dict[str, torch.Tensor]  # name (logged under train/) -> value
 
 
 def check_options(objective: str, samples: int, baseline: str, attention_mode: str) -> None:
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    if baseline not in BASELINES:
-        raise ConfigError(f"unknown scst_baseline {baseline!r}; choose one of {', '.join(BASELINES)}")
+    check_choice("objective", objective, OBJECTIVES)
+    check_choice("scst_baseline", baseline, BASELINES)
     if objective == "scst" and samples < (2 if baseline == "others" else 1):
         raise ConfigError(f"scst_samples must be at least 2 for the {baseline!r} baseline, got {samples}")
     if objective == "scst" and attention_mode != "soft":

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from captioner.data.images import load_image
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, check_choice
 
 SHAPES = ("circle", "square", "triangle", "diamond")
 # Each colour word is a range of shades: (hue range in degrees, value range); saturation is 0.65-1. The ranges hold
@@ -249,8 +249,7 @@ class ShapesDataset:
     """
 
     def __init__(self, split: str, size: int, seed: int = 0, image_size: int = 224, image_dir: str | None = None):
-        if split not in SPLITS:
-            raise ConfigError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        check_choice("split", split, SPLITS)
         if size < 1:
             raise ConfigError(f"{split} size must be positive, got {size}")
         self.split, self.size, self.seed, self.image_size = split, size, seed, image_size

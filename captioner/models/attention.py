@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.errors import ConfigError
+from captioner.errors import check_choice
 
 CHUNK = 2**20  # elements of W a + U h built at a time when decoding: 4 MiB of float32, which stays in cache
 
@@ -80,8 +80,7 @@ SCORERS = {"additive": AdditiveAttention, "dot": DotAttention, "general": Genera
 
 
 def build_scorer(kind: str, encoder_dim: int, decoder_dim: int, attention_dim: int) -> nn.Module:
-    if kind not in SCORERS:
-        raise ConfigError(f"unknown attention {kind!r}; choose one of {', '.join(SCORERS)}")
+    check_choice("attention", kind, SCORERS)
     return SCORERS[kind](encoder_dim, decoder_dim, attention_dim)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, check_choice
 from captioner.models.attention import attend, build_scorer
 
 GATES = ("scalar", "channel", "none")
@@ -58,8 +58,7 @@ class AttentionDecoder(nn.Module):
         pad_index: int = 0,
     ):
         super().__init__()
-        if gate not in GATES:
-            raise ConfigError(f"unknown gate {gate!r}; choose one of {', '.join(GATES)}")
+        check_choice("gate", gate, GATES)
         if not 0 <= dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
         self.vocab_size = vocab_size

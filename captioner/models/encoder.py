@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from captioner.errors import ConfigError, WeightsUnavailableError
+from captioner.errors import ConfigError, WeightsUnavailableError, check_choice
 
 STRIDES = (32, 16)  # a backbone's last feature map, or its last one at 1/16 of the input (the paper's 14x14 at 224)
 
@@ -236,8 +236,7 @@ class Encoder(nn.Module):
         feature_stride: int = 32,
     ):
         super().__init__()
-        if backbone not in BACKBONES:
-            raise ConfigError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        check_choice("backbone", backbone, BACKBONES)
         if grid_size is not None and grid_size < 1:
             raise ConfigError(f"grid_size must be positive, got {grid_size}")
         if feature_stride not in STRIDES:
