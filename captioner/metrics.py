@@ -1,5 +1,7 @@
 """Caption metrics over a split. BLEU comes from nltk and the coco-caption scores from pycocoevalcap; CIDEr-D of
-validation is `captioner.cider`'s, which SCST needs anyway and which gives pycocoevalcap's scores."""
+validation is `captioner.cider`'s, which SCST needs anyway and which gives pycocoevalcap's scores. Attention
+correctness (Liu et al. 2017) and its ceiling score any dataset whose words can be linked to object boxes; on shapes,
+`captioner.data.shapes.word_boxes` links them."""
 
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 from nltk.translate.bleu_score import corpus_bleu
 
 from captioner.cider import CiderD
-from captioner.data.shapes import attention_ceiling, attention_correctness
+from captioner.data.shapes import word_boxes
 
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[str]
+Box = tuple[int, int, int, int]  # x0, y0, x1, y1 in pixels
+Boxes = Sequence[Box | None]  # per word: the box of the object it names, or None
 
 
 class Decoded(NamedTuple):
@@ -35,8 +40,52 @@ def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, s
     boxes (`objects`, on a `size`-pixel square canvas); three empty lists for the others."""
     if objects is None:
         return [], [], []
-    masses, baselines = attention_correctness(words, alphas, grid_hw, objects, (size, size))
-    return masses, baselines, attention_ceiling(words, grid_hw, objects, (size, size))
+    boxes = word_boxes(words, objects)
+    masses, baselines = attention_correctness(alphas, boxes, grid_hw, (size, size))
+    return masses, baselines, attention_ceiling(boxes, grid_hw, (size, size))
+
+
+def attention_correctness(
+    alphas, boxes: Boxes, grid_hw: tuple[int, int], image_size: tuple[int, int]
+) -> tuple[list[float], list[float]]:
+    """Attention correctness (Liu et al. 2017) on one image: for each generated word that names an object (`boxes[t]`,
+    the object's box, or None), the share of its attention `alphas[t]` (upsampled to the image and normalised) inside
+    that box. Returns the per-word masses and, for the same words, the uniform-attention baseline (the box's share of
+    the image)."""
+    from captioner.visualize import attention_map
+
+    W, H = image_size
+    masses, baselines = [], []
+    for t, box in enumerate(boxes):
+        if box is None:
+            continue
+        x0, y0, x1, y1 = box
+        heat = attention_map(alphas[t], grid_hw, (W, H))  # (H,W), sums to 1
+        masses.append(float(heat[y0:y1, x0:x1].sum()))
+        baselines.append((x1 - x0) * (y1 - y0) / (W * H))
+    return masses, baselines
+
+
+def oracle_attention(box: Box, grid_hw: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
+    """The best attention a grid can give an object: spread evenly over the cells whose centres lie inside its box
+    (the cell holding the box's centre if none does). A (P,) numpy array."""
+    (h, w), (W, H) = grid_hw, image_size
+    x0, y0, x1, y1 = box
+    xs, ys = (np.arange(w) + 0.5) * W / w, (np.arange(h) + 0.5) * H / h  # cell centres, in pixels
+    inside = np.outer((ys >= y0) & (ys < y1), (xs >= x0) & (xs < x1)).astype(np.float64)  # (h,w)
+    if not inside.any():
+        inside[min(int((y0 + y1) / 2 * h / H), h - 1), min(int((x0 + x1) / 2 * w / W), w - 1)] = 1.0
+    return (inside / inside.sum()).reshape(-1)
+
+
+def attention_ceiling(boxes: Boxes, grid_hw: tuple[int, int], image_size: tuple[int, int]) -> list[float]:
+    """Attention correctness's ceiling on one image: the score of `oracle_attention` for the same words as
+    `attention_correctness` scores. Upsampling spreads even the best grid attention beyond the box, so it is below 1:
+    on 224-pixel shapes images about 0.81 for a small shape and 0.88 for a large one on the 14x14 grid, 0.64 and 0.78
+    on 7x7."""
+    P = grid_hw[0] * grid_hw[1]
+    alphas = [oracle_attention(box, grid_hw, image_size) if box is not None else np.zeros(P) for box in boxes]
+    return attention_correctness(np.array(alphas).reshape(len(boxes), P), boxes, grid_hw, image_size)[0]
 
 
 def attention_peaks(alphas) -> list[float]:

@@ -11,9 +11,9 @@ import torch
 from PIL import Image, ImageDraw
 
 from captioner import Captioner
-from captioner.data.shapes import COLORS, SHAPES, ShapesDataset, attention_ceiling, attention_correctness
+from captioner.data.shapes import COLORS, SHAPES, ShapesDataset, word_boxes
 from captioner.data.vocab import tokenize
-from captioner.metrics import bleu
+from captioner.metrics import attention_ceiling, attention_correctness, bleu
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def held_out(model) -> dict[str, float]:
     references = [[tokenize(c) for c in test.captions(i)] for i in range(len(test))]
     masses, ceilings = [], []
     for i, r in enumerate(results):
-        masses += attention_correctness(r.tokens, r.alphas, r.grid_hw, test.objects(i), r.image.size)[0]
-        ceilings += attention_ceiling(r.tokens, r.grid_hw, test.objects(i), r.image.size)
+        boxes = word_boxes(r.tokens, test.objects(i))
+        masses += attention_correctness(r.alphas, boxes, r.grid_hw, r.image.size)[0]
+        ceilings += attention_ceiling(boxes, r.grid_hw, r.image.size)
     assert len(masses) > 2000  # most object words are named right, so they count
     figures = {
         "attention": sum(masses) / len(masses),

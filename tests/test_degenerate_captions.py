@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 
 from captioner.api import Captioner
 from captioner.cli import main, run_lightning_cli
-from captioner.data.shapes import ShapesDataset, attention_ceiling, attention_correctness
+from captioner.data.shapes import ShapesDataset, word_boxes
 from captioner.data.vocab import Vocabulary
-from captioner.metrics import bleu, cider, coco_caption_scores
+from captioner.metrics import attention_ceiling, attention_correctness, bleu, cider, coco_caption_scores
 from captioner.serve import answer, create_app
 from captioner.visualize import attention_grid, plot_attention
 from tests.conftest import tiny_fit_args
@@ -41,8 +41,8 @@ def test_the_scorers_and_drawers_take_the_caption(case):
     hypotheses, texts = {0: " ".join(words)}, {0: [" ".join(r) for r in references]}
     scores = coco_caption_scores(hypotheses, texts, meteor=False, tokenized=True)  # METEOR: under `evaluate` below
     assert all(math.isfinite(value) for value in scores.values())
-    masses, _ = attention_correctness(words, alphas, (7, 7), objects, (224, 224))
-    assert masses == [] and attention_ceiling(words, (7, 7), objects, (224, 224)) == []  # no word names a shape
+    masses, _ = attention_correctness(alphas, word_boxes(words, objects), (7, 7), (224, 224))
+    assert masses == [] and attention_ceiling(word_boxes(words, objects), (7, 7), (224, 224)) == []  # names none
     sheet = attention_grid(split.load_image(0), words, alphas, (7, 7))
     assert sheet.width >= 5 * 192
     figure = plot_attention(split.load_image(0), words, alphas, (7, 7))

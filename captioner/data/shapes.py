@@ -311,51 +311,7 @@ def link_words_to_objects(words: Sequence[str], objects: Sequence) -> list[int]:
     return links
 
 
-def attention_correctness(
-    words: Sequence[str], alphas, grid_hw: tuple[int, int], objects: Sequence, image_size: tuple[int, int]
-) -> tuple[list[float], list[float]]:
-    """Attention correctness (Liu et al. 2017) on one image: for each generated word that names an object, the share
-    of its attention (upsampled to the image and normalised) inside that object's box.
-
-    Returns the per-word masses and, for the same words, the uniform-attention baseline (the box's share of the
-    image).
-    """
-    from captioner.visualize import attention_map
-
-    W, H = image_size
-    masses, baselines = [], []
-    for t, k in enumerate(link_words_to_objects(words, objects)):
-        if k < 0:
-            continue
-        x0, y0, x1, y1 = objects[k].box
-        heat = attention_map(alphas[t], grid_hw, (W, H))  # (H,W), sums to 1
-        masses.append(float(heat[y0:y1, x0:x1].sum()))
-        baselines.append((x1 - x0) * (y1 - y0) / (W * H))
-    return masses, baselines
-
-
-def oracle_attention(
-    box: tuple[int, int, int, int], grid_hw: tuple[int, int], image_size: tuple[int, int]
-) -> np.ndarray:
-    """The best attention a grid can give an object: spread evenly over the cells whose centres lie inside its box
-    (the cell holding the box's centre if none does). A (P,) numpy array."""
-    (h, w), (W, H) = grid_hw, image_size
-    x0, y0, x1, y1 = box
-    xs, ys = (np.arange(w) + 0.5) * W / w, (np.arange(h) + 0.5) * H / h  # cell centres, in pixels
-    inside = np.outer((ys >= y0) & (ys < y1), (xs >= x0) & (xs < x1)).astype(np.float64)  # (h,w)
-    if not inside.any():
-        inside[min(int((y0 + y1) / 2 * h / H), h - 1), min(int((x0 + x1) / 2 * w / W), w - 1)] = 1.0
-    return (inside / inside.sum()).reshape(-1)
-
-
-def attention_ceiling(
-    words: Sequence[str], grid_hw: tuple[int, int], objects: Sequence, image_size: tuple[int, int]
-) -> list[float]:
-    """Attention correctness's ceiling on one image: the score of `oracle_attention` for the same words as
-    `attention_correctness` scores. Upsampling spreads even the best grid attention beyond the box, so it is below 1:
-    on 224-pixel shapes images about 0.81 for a small shape and 0.88 for a large one on the 14x14 grid, 0.64 and 0.78
-    on 7x7."""
-    P = grid_hw[0] * grid_hw[1]
-    links = link_words_to_objects(words, objects)
-    alphas = [oracle_attention(objects[k].box, grid_hw, image_size) if k >= 0 else np.zeros(P) for k in links]
-    return attention_correctness(words, np.array(alphas).reshape(len(links), P), grid_hw, objects, image_size)[0]
+def word_boxes(words: Sequence[str], objects: Sequence) -> list[tuple[int, int, int, int] | None]:
+    """For each generated word, the box of the object it names (`link_words_to_objects`), or None: what
+    `captioner.metrics.attention_correctness` scores."""
+    return [objects[k].box if k >= 0 else None for k in link_words_to_objects(words, objects)]

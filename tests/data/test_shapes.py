@@ -12,12 +12,11 @@ from captioner.data.shapes import (
     ShapeObject,
     ShapesDataset,
     _shade,
-    attention_ceiling,
-    attention_correctness,
     link_words_to_objects,
-    oracle_attention,
+    word_boxes,
 )
 from captioner.data.vocab import tokenize
+from captioner.metrics import attention_ceiling, attention_correctness, oracle_attention
 
 
 def digest(dataset, index):
@@ -130,6 +129,7 @@ def test_words_link_to_the_unique_matching_object():
     assert link_words_to_objects(words, OBJECTS) == [-1, 0, 0, 0, -1, -1, -1, -1, -1, 1, 1, 1]
     assert link_words_to_objects("a green circle".split(), OBJECTS) == [-1, -1, -1]  # names no object
     assert link_words_to_objects("a red circle".split(), OBJECTS) == [-1, 0, 0]  # size may be left out
+    assert word_boxes("a red circle".split(), OBJECTS) == [None, OBJECTS[0].box, OBJECTS[0].box]
 
 
 def pil_bicubic_weights(in_size: int, out_size: int) -> np.ndarray:
@@ -156,7 +156,7 @@ def test_attention_correctness_mass_in_box_and_baseline():
     grid = (2, 2)  # on a 200x200 image each cell is 100x100
     words = ["a", "large", "blue", "square"]
     alphas = torch.tensor([[0.25] * 4, [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [0.25] * 4])
-    masses, baselines = attention_correctness(words, alphas, grid, OBJECTS, (200, 200))
+    masses, baselines = attention_correctness(alphas, word_boxes(words, OBJECTS), grid, (200, 200))
     assert len(masses) == 3 and baselines == [0.25] * 3
     # All attention on the bottom-right cell, the square's box: upsampled by bicubic, whose kernel reaches into the
     # neighbouring cells, the share inside the box is below 1 (0.797). Negative lobes are clipped to 0.
@@ -177,7 +177,8 @@ def test_the_ceiling_is_the_score_of_attention_spread_over_the_cells_inside_the_
     assert oracle_attention((0, 0, 200, 100), (2, 2), (200, 200)).tolist() == [0.5, 0.5, 0.0, 0.0]
     words = "a small red circle and a large blue square".split()
     on_square = [0.0, 0.0, 0.0, 1.0]
-    one_hot, _ = attention_correctness(words[-3:], torch.tensor([on_square] * 3), grid, OBJECTS, (200, 200))
-    ceilings = attention_ceiling(words, grid, OBJECTS, (200, 200))
+    boxes = word_boxes(words, OBJECTS)
+    one_hot, _ = attention_correctness(torch.tensor([on_square] * 3), boxes[-3:], grid, (200, 200))
+    ceilings = attention_ceiling(boxes, grid, (200, 200))
     assert len(ceilings) == 6 and ceilings[3:] == pytest.approx(one_hot)
     assert 0 < ceilings[0] < ceilings[3] < 1  # a box smaller than a cell cannot hold its cell's upsampled weight
