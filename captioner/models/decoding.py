@@ -75,16 +75,19 @@ def greedy_search(
     out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # only ever true in the sync-free batch
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (ended captions leave the shrinking batch)
     for t in range(max_len):
         logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
         best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
-        writing = ~finished
-        tokens = tokens.masked_fill(finished, pad_index)  # an ended caption goes on with <pad>
+        if sync_free:  # an ended caption goes on with <pad>, at no cost
+            writing = ~finished
+            tokens, best, alpha = tokens.masked_fill(finished, pad_index), best * writing, alpha * writing.unsqueeze(1)
+            lengths += writing
+        else:
+            lengths[rows] += 1
         out_tokens[rows, t] = tokens
-        out_alphas[rows, t] = alpha.float() * writing.unsqueeze(1)
-        scores[rows] += best * writing
-        lengths[rows] += writing
+        out_alphas[rows, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
+        scores.index_add_(0, rows, best)
         finished = finished | (tokens == end_index)
         if sync_free:
             if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words

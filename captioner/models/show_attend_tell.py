@@ -9,7 +9,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.distributed import distributed
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.decoding import (
@@ -303,7 +302,7 @@ class ShowAttendTell(nn.Module):
         stats = torch.zeros(2, device=b.device)  # sum of log p(y|s,a), number of captions
         if log_likelihood is not None:
             stats[0], stats[1] = log_likelihood.sum(), log_likelihood.numel()
-        if distributed():
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # models/ imports no further
             dist.all_reduce(stats)
         total, count = stats
         b.copy_(torch.where(count > 0, 0.9 * b + 0.1 * total / count.clamp_min(1), b))  # no host sync
