@@ -8,15 +8,21 @@ words as the longest caption has, and runs the output layer word by word. captio
 projects them once per batch, runs each word on the captions still going, and runs the output layer once on every
 word. Both compute the same function with the same weights; batches of 64 captions of 8 to 16 words, as an epoch's
 batches differ in length. Each figure is the median step over 3 passes over 4 batches, after one untimed pass.
+
+The last table compares the decoder's two forms of teacher forcing, uncompiled: the shrinking batch (the CPU's) and
+fixed shapes (every caption runs every step, padded to `bucket_steps`: the form the GPU compiles), taking turns over
+3 rounds.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 import torch.nn.functional as F
 from common import SIZES, SPECIAL, annotations, machine, random_decoder, table, timed
 
-from captioner.models.show_attend_tell import caption_loss
+from captioner.models.show_attend_tell import caption_loss, pad_to_bucket
 
 B, T = 64, 16
 
@@ -51,7 +57,7 @@ def batches(size: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return out
 
 
-def captions_per_second(size: str, naive: bool) -> float:
+def captions_per_second(size: str, naive: bool, fixed_shape: bool = False) -> float:
     decoder = random_decoder(size).train()
     optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-4)
     data = batches(size)
@@ -59,9 +65,12 @@ def captions_per_second(size: str, naive: bool) -> float:
     def step(a, captions, lengths):
         if naive:
             logits, alphas = tutorial_forward(decoder, a, captions)
+        elif fixed_shape:
+            captions = pad_to_bucket(captions, SPECIAL["pad_index"])
+            logits, alphas = decoder(a, captions)
         else:
             logits, alphas = decoder(a, captions, lengths)
-        loss = caption_loss(logits, captions[:, 1:], alphas)[0]
+        loss = caption_loss(logits, captions[:, 1:], alphas, sync_free=fixed_shape)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -87,6 +96,18 @@ def main() -> None:
             }
         )
     print(f"captions/s, batches of {B}\n")
+    print(table(rows))
+
+    rows = []
+    for size in SIZES:
+        rates = {"shrinking": [], "fixed shapes": []}
+        for _ in range(3):  # the two take turns, so that a slow spell of the machine hits both
+            for form in rates:
+                rates[form].append(captions_per_second(size, naive=False, fixed_shape=form == "fixed shapes"))
+        shrinking, fixed = (statistics.median(rates[form]) for form in rates)
+        ratio = f"{fixed / shrinking:.2f}x"
+        rows.append({"sizes": size, "shrinking": f"{shrinking:.1f}", "fixed shapes": f"{fixed:.1f}", "ratio": ratio})
+    print(f"\nteacher forcing's two forms, uncompiled, captions/s, batches of {B} (median of 3 rounds)\n")
     print(table(rows))
 
 
