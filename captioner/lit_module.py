@@ -101,7 +101,7 @@ class CaptioningModule(L.LightningModule):
         self._decoded: list[Decoded] = []  # this validation's or test's captions so far
         self._resumed_rng_states: dict | None = None
         self.objective: TeacherForcing | SelfCritical = TEACHER_FORCING  # SCST's is made when a fit starts
-        self.finite_losses = FiniteLosses(lambda: f"epoch {self.current_epoch}, step {self.global_step}")
+        self.finite_losses = FiniteLosses(self.where)  # a method, not a lambda: the module stays picklable
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -161,6 +161,9 @@ class CaptioningModule(L.LightningModule):
         for name, value in parts.items():
             self.log(f"{stage}/{name}", value, prog_bar=name == "reward", batch_size=B)
         return loss
+
+    def where(self) -> str:
+        return f"epoch {self.current_epoch}, step {self.global_step}"
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self.finite_losses.check_step(self.device)  # every process stops on a non-finite loss, or none

@@ -302,7 +302,9 @@ def _best_extensions(
     return scores, parents, tokens
 
 
-def _follow(parents: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, end: int):
+def _follow(
+    parents: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chosen extensions' rows (A*K,): whether their parent had finished, their lengths and finished flags."""
     was_finished = finished[parents]
     return was_finished, lengths[parents] + (~was_finished).long(), was_finished | (tokens == end)
