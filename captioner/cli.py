@@ -305,7 +305,8 @@ def evaluate(argv: list[str]) -> None:
             alphas, grid = generation.alphas[i, : len(words)].cpu(), module.model.encoder.grid_hw
             peaks += attention_peaks(alphas)
             found, _, best = attention_scores(words, alphas, grid, batch["objects"][i], batch["canvas"][i])
-            masses, ceilings = masses + found, ceilings + best  # datasets with object boxes (shapes)
+            masses += found  # datasets with object boxes (shapes); empty lists for the others
+            ceilings += best
     if args.ptb_tokenizer:
         scores = coco_caption_scores(hypotheses, references)
     else:  # the words that the vocabulary, training and validation see, in any script
