@@ -119,9 +119,6 @@ def beam_search(
 
     - The first step runs once per image: its K beams are all the same <start> hypothesis until the first word.
     - A finished hypothesis stays in its beam with its final score (it can only be extended by <pad> at no cost).
-      It skips the LSTM and the output layer; only the attention, which works image by image, still includes it.
-    - An image whose K hypotheses have all finished can no longer change, so it leaves the batch: the decoder state,
-      annotations and keys shrink with the set of images still searching.
     - Hypotheses are recorded by back-pointers (one (B*K,) row of parents per step) and read back once at the end.
 
     Hypotheses are ranked by score / length**length_penalty (0: the raw log-probability), in the search as at its end:
@@ -129,23 +126,25 @@ def beam_search(
     Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. It never
     returns an empty caption.
 
-    `sync_free` (by default on CUDA, see `sync_free_default`) finds the same captions with fixed shapes: every image
-    and hypothesis runs every step, and whether all have finished is read once every CHECK_EVERY words. On a CPU the
-    shrinking search is the faster (1.35x at batch 64, docs/benchmarks.md); on a GPU its per-word reads stall.
+    Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
+    - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
+      image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
+      decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
+      1.35x faster there at batch 64, docs/benchmarks.md);
+    - sync-free: every image and hypothesis runs every step, and whether all have finished is read once every
+      CHECK_EVERY words: the device never waits for the host in between.
     """
     B, P, _ = annotations.shape
     K = beam_size
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
-    if sync_free_default(annotations, sync_free):
-        return _beam_search_sync_free(
-            decoder, annotations, start_index, end_index, K, max_len, length_penalty, pad_index
-        )
+    sync_free = sync_free_default(annotations, sync_free)
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
     keys = decoder.prepare(annotations)  # (B,P,K')
     # The annotations and keys stay one row per image: beams only ever move within their own image, and attention
     # broadcasts one image's annotations over its hypotheses (see captioner.models.attention).
+    never = torch.tensor([pad_index, start_index], device=device)  # words never generated
 
     # The images still searching (A of them, G hypotheses each, rows grouped by image) ...
     alive = torch.arange(B, device=device)  # (A,)
@@ -164,23 +163,22 @@ def beam_search(
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
     input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
     carry = None  # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
-    for _ in range(max_len):
+    for t in range(max_len):
         A, G = scores.shape
-        live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
-        some_ended = live.numel() < A * G
-        if not some_ended:
+        live = None if sync_free else (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
+        if live is None or live.numel() == A * G:
             logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
         else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
             context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
             logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V), _
             # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
             h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
-        log_probs = F.log_softmax(logits.float(), dim=-1)  # (L,V)
-        V = log_probs.size(1)
+        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
         if carry is None:
-            carry = finished_extension(K, V, pad_index, device)
-        log_probs[:, [pad_index, start_index]] = float("-inf")  # never generated
-        if some_ended:
+            carry = finished_extension(K, log_probs.size(1), pad_index, device)
+        if live is None:
+            log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+        elif live.numel() < A * G:
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
         was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
@@ -197,6 +195,10 @@ def beam_search(
         record_alphas.append(step_alphas)
         input_rows = rows
 
+        if sync_free:
+            if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+                break
+            continue
         done = finished.view(A, K).all(dim=1)  # (A,)
         n_done = int(done.sum())
         if n_done == A:
@@ -208,13 +210,7 @@ def beam_search(
             final_finished[rows[done_rows]] = True
             keep, keep_rows = ~done, ~done_rows
             alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
-            h, c, tokens, finished, lengths = (
-                h[keep_rows],
-                c[keep_rows],
-                tokens[keep_rows],
-                finished[keep_rows],
-                lengths[keep_rows],
-            )
+            h, c, tokens, finished, lengths = (x[keep_rows] for x in (h, c, tokens, finished, lengths))
             rows = input_rows = rows[keep_rows]
     final_scores[alive] = scores
     final_lengths[rows] = lengths
@@ -223,48 +219,6 @@ def beam_search(
     return _read_back(
         final_scores, final_lengths, final_finished, record_tokens, record_alphas, record_parents, length_penalty
     )
-
-
-def _beam_search_sync_free(
-    decoder: AttentionDecoder,
-    annotations: torch.Tensor,
-    start_index: int,
-    end_index: int,
-    K: int,
-    max_len: int,
-    length_penalty: float,
-    pad_index: int,
-) -> Generation:
-    """`beam_search` with fixed shapes: no image leaves the batch and every hypothesis runs the whole step. A finished
-    one is extended by <pad> at no cost, so it keeps its score and length, as in the shrinking search; an image whose
-    K hypotheses have finished keeps the same K."""
-    B = annotations.size(0)
-    device = annotations.device
-    h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
-    keys = decoder.prepare(annotations)  # (B,P,K')
-    never = torch.tensor([pad_index, start_index], device=device)  # words never generated
-    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (B*G,)
-    scores = torch.zeros(B, 1, device=device)  # (B,G)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B*G,)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B*G,)
-    record_tokens, record_alphas, record_parents = [], [], []  # per step, (B*K,) rows b*K + k, as `beam_search`
-    for t in range(max_len):
-        G = scores.size(1)
-        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (B*G,V), _, (B*G,P)
-        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (B*G,V)
-        V = log_probs.size(1)
-        if t == 0:
-            carry = finished_extension(K, V, pad_index, device)
-        log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
-        scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-        was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
-        h, c = h[parents], c[parents]
-        record_tokens.append(tokens)
-        record_parents.append(parents * K if G == 1 else parents)  # the first step's input: row b*K of image b
-        record_alphas.append(alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0))
-        if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
-            break
-    return _read_back(scores, lengths, finished, record_tokens, record_alphas, record_parents, length_penalty)
 
 
 def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> torch.Tensor:
