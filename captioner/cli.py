@@ -66,6 +66,13 @@ def _add_checkpoint(parser: argparse.ArgumentParser, help: str, bundled: bool = 
     )
 
 
+def _add_decoding(parser: argparse.ArgumentParser) -> None:
+    """The search's options, as `caption` and `evaluate` share them."""
+    parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
+    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
+    parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
+
+
 def _bundled_unless_given(checkpoint: str | None) -> str:
     """The checkpoint to load: the one given, or the bundled model, said once on stderr."""
     if checkpoint is None:
@@ -168,10 +175,8 @@ def caption(argv: list[str]) -> int:
     _add_checkpoint(
         parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
     )
-    parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
-    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
+    _add_decoding(parser)
     parser.add_argument("--batch-size", type=int, default=16, help="images captioned at once")
-    parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     parser.add_argument(
         "--per-word-scale",
@@ -261,9 +266,7 @@ def evaluate(argv: list[str]) -> None:
         "--config", help="a YAML whose `data` section names the dataset (default: the checkpoint's training data)"
     )
     parser.add_argument("--split", choices=("val", "test"), default="test", help="the split to caption and score")
-    parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
-    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
-    parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
+    _add_decoding(parser)
     parser.add_argument("--output", default="evaluation", help="folder for metrics.json and captions.json")
     parser.add_argument(
         "--ptb-tokenizer",
@@ -417,18 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(overview())
         sys.exit(0 if argv else 2)
+    ours = {"demo": demo, "evaluate": evaluate, "export": export_model, "serve": serve}
     try:
-        command = argv[0]
-        if command == "demo":
-            demo(argv[1:])
-        elif command == "caption":
-            sys.exit(caption(argv[1:]))
-        elif command == "evaluate":
-            evaluate(argv[1:])
-        elif command == "export":
-            export_model(argv[1:])
-        elif command == "serve":
-            serve(argv[1:])
+        if argv[0] == "caption":
+            sys.exit(caption(argv[1:]))  # 1 when a file failed
+        elif argv[0] in ours:
+            ours[argv[0]](argv[1:])
         else:
             run_lightning_cli(argv)
     except CaptionerError as err:

@@ -39,6 +39,14 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    """A loss of zero over every trainable weight of `module`: under DDP, the loss of a process with nothing to train
+    on (a batch with no readable image), where Lightning refuses None. It takes part in the gradient all-reduce like
+    the other processes' losses, and its zero gradient counts as such in their average; Adam's step then still moves
+    the weights a little, by its momentum."""
+    return torch.stack([p.sum() for p in module.parameters() if p.requires_grad]).sum() * 0.0
+
+
 class FiniteLosses:
     """Stops training on a NaN or infinite loss, every process at once with the same line, rather than train and log
     NaN to the end (a process that stopped alone would leave the others waiting in their next collective until it

@@ -8,9 +8,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
 from captioner.data.vocab import Vocabulary
-from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states
+from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states, zero_loss
 from captioner.errors import ConfigError, check_choice
 from captioner.metrics import Decoded, attention_scores, split_scores
+from captioner.models.decoding import Generation
 from captioner.models.show_attend_tell import ShowAttendTell, compile_options
 from captioner.objectives import SelfCritical, TeacherForcing, check_options
 
@@ -169,22 +170,21 @@ class CaptioningModule(L.LightningModule):
         self.finite_losses.check_step(self.device)  # every process stops on a non-finite loss, or none
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
-        if not batch:  # every image of the batch was unreadable (each was reported): skip it, in step with DDP
-            return self._skipped_step()
-        return self._shared_step(batch, "train", self.objective)
-
-    def _skipped_step(self) -> torch.Tensor | None:
-        """The step of a batch with no readable image. In one process, None: Lightning skips the backward pass and
-        the optimizer step. Under DDP, where Lightning refuses None, the other processes train on their batches and
-        every process must take part in the same gradient all-reduce (and in hard attention's baseline update): the
-        loss is zero over every trainable weight, so this process's gradient is zero and counts as such in the
-        average. Adam's step then still moves the weights a little, by its momentum."""
+        if batch:
+            return self._shared_step(batch, "train", self.objective)
+        # Every image of the batch was unreadable (each was reported). In one process, None: Lightning skips the
+        # backward pass and the optimizer step. Under DDP, where the other processes train on their batches, this one
+        # takes part in the same collectives with nothing to add (`distributed.zero_loss`).
         if not distributed():
             return None
-        if self.model.attention_mode == "hard" and self.model.training:
+        if self.model.attention_mode == "hard":  # its baseline's update is one too
             self.model.update_baseline(None)
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        return torch.stack([p.sum() for p in trainable]).sum() * 0.0
+        return zero_loss(self)
+
+    def _generate(self, batch: dict, beam_size: int = 1) -> Generation:
+        """The batch's captions (greedy by default), at most `max_caption_len` words."""
+        inputs = {"images": batch.get("images"), "annotations": batch.get("annotations")}
+        return self.model.generate(**inputs, beam_size=beam_size, max_len=self.hparams.max_caption_len)
 
     def _decode_step(self, batch: dict, stage: str) -> None:
         """Loss on the first reference, then one greedy decode per image, scored at the epoch's end against all its
@@ -192,9 +192,7 @@ class CaptioningModule(L.LightningModule):
         if not batch:  # no readable image in the batch (each was reported)
             return
         self._shared_step(batch, stage)
-        generation = self.model.generate(
-            images=batch.get("images"), annotations=batch.get("annotations"), max_len=self.hparams.max_caption_len
-        )
+        generation = self._generate(batch)
         for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
             words, objects, size = self.vocab.decode_tokens(tokens), batch["objects"][i], batch["canvas"][i]
             where = attention_scores(words, generation.alphas[i], self.model.encoder.grid_hw, objects, size)
@@ -239,12 +237,7 @@ class CaptioningModule(L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         if not batch:  # no readable image in the batch (each was reported)
             return []
-        generation = self.model.generate(
-            images=batch.get("images"),
-            annotations=batch.get("annotations"),
-            max_len=self.hparams.max_caption_len,
-            beam_size=self.hparams.beam_size,
-        )
+        generation = self._generate(batch, self.hparams.beam_size)
         return [
             {"index": int(i), "caption": self.vocab.decode(tokens), "score": float(score) if score.isfinite() else None}
             for i, tokens, score in zip(batch["index"], generation.tokens.tolist(), generation.scores, strict=True)
