@@ -279,9 +279,9 @@ def evaluate(argv: list[str]) -> None:
     import torch
     from tqdm import tqdm
 
-    from captioner.data.vocab import tokenize
+    from captioner.data.vocab import detokenize, tokenize
     from captioner.lightning_cli import load_module
-    from captioner.metrics import attention_peaks, attention_scores, coco_caption_scores
+    from captioner.metrics import attention_peaks, coco_caption_scores, decode_batch
 
     module = load_module(args.checkpoint).eval()  # first: a missing or foreign checkpoint is named in one line
     datamodule = _evaluation_data(args.config, args.checkpoint, overrides)
@@ -299,17 +299,15 @@ def evaluate(argv: list[str]) -> None:
         generation = module.model.generate(
             **inputs, beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty
         )
-        for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
-            image_id = source.image_id(index) if hasattr(source, "image_id") else index
-            hypotheses[image_id] = module.vocab.decode(tokens)
-            references[image_id] = source.captions(index)
-            words = module.vocab.decode_tokens(tokens)
-            exact.append(words in batch["references"][i])
-            alphas, grid = generation.alphas[i, : len(words)].cpu(), module.model.encoder.grid_hw
-            peaks += attention_peaks(alphas)
-            found, _, best = attention_scores(words, alphas, grid, batch["objects"][i], batch["canvas"][i])
-            masses += found  # datasets with object boxes (shapes); empty lists for the others
-            ceilings += best
+        decoded = decode_batch(batch, generation, module.vocab, module.model.encoder.grid_hw)
+        for image, alphas in zip(decoded, generation.alphas.cpu(), strict=True):
+            image_id = source.image_id(image.index) if hasattr(source, "image_id") else image.index
+            hypotheses[image_id] = detokenize(image.words)
+            references[image_id] = source.captions(image.index)
+            exact.append(image.words in image.references)
+            peaks += attention_peaks(alphas[: len(image.words)])
+            masses += image.masses  # datasets with object boxes (shapes); empty lists for the others
+            ceilings += image.ceilings
     if args.ptb_tokenizer:
         scores = coco_caption_scores(hypotheses, references)
     else:  # the words that the vocabulary, training and validation see, in any script

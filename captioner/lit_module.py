@@ -10,7 +10,7 @@ from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encode
 from captioner.data.vocab import Vocabulary
 from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states, zero_loss
 from captioner.errors import ConfigError, check_choice
-from captioner.metrics import Decoded, attention_scores, split_scores
+from captioner.metrics import Decoded, decode_batch, split_scores
 from captioner.models.decoding import Generation
 from captioner.models.show_attend_tell import ShowAttendTell, compile_options
 from captioner.objectives import SelfCritical, TeacherForcing, check_options
@@ -192,11 +192,7 @@ class CaptioningModule(L.LightningModule):
         if not batch:  # no readable image in the batch (each was reported)
             return
         self._shared_step(batch, stage)
-        generation = self._generate(batch)
-        for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
-            words, objects, size = self.vocab.decode_tokens(tokens), batch["objects"][i], batch["canvas"][i]
-            where = attention_scores(words, generation.alphas[i], self.model.encoder.grid_hw, objects, size)
-            self._decoded.append(Decoded(index, words, batch["references"][i], *where))
+        self._decoded += decode_batch(batch, self._generate(batch), self.vocab, self.model.encoder.grid_hw)
 
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images

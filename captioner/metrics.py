@@ -16,6 +16,7 @@ from nltk.translate.bleu_score import corpus_bleu
 
 from captioner.cider import CiderD
 from captioner.data.shapes import word_boxes
+from captioner.data.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, s
     boxes = word_boxes(words, objects)
     masses, baselines = attention_correctness(alphas, boxes, grid_hw, (size, size))
     return masses, baselines, attention_ceiling(boxes, grid_hw, (size, size))
+
+
+def decode_batch(batch: dict, generation, vocab: Vocabulary, grid_hw: tuple[int, int]) -> list[Decoded]:
+    """A validation or test batch's captions (`generation`, a `Generation`) read as `Decoded`: each image's words,
+    its references and, for a dataset with object boxes, its attention scores."""
+    alphas, decoded = generation.alphas.float().cpu(), []  # one copy from the device for the batch
+    for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
+        words = vocab.decode_tokens(tokens)
+        where = attention_scores(words, alphas[i], grid_hw, batch["objects"][i], batch["canvas"][i])
+        decoded.append(Decoded(index, words, batch["references"][i], *where))
+    return decoded
 
 
 def attention_correctness(
