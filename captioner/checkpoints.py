@@ -30,11 +30,12 @@ ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's stat
 BASELINE = "reward_baseline"  # hard attention's running baseline b (a buffer)
 
 
-def read(path: str | Path, name: str | None = None) -> dict:
-    """A model file's contents; a missing or foreign file is a one-line error naming it (as `name`, if given)."""
+def read(path: str | Path, name: str | None = None, mmap: bool = False) -> dict:
+    """A model file's contents; a missing or foreign file is a one-line error naming it (as `name`, if given). With
+    `mmap`, its tensors are mapped from the file, not read: what is only looked into costs no reading of weights."""
     name = name or str(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CaptionerError(f"{name}: checkpoint not found") from None
     except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, IsADirectoryError, ValueError):

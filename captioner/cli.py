@@ -230,10 +230,10 @@ def caption(argv: list[str]) -> int:
 def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
     """The datamodule that `evaluate` scores on: the `data` section of `config`, or else the data the checkpoint was
     trained on, with `--data.*` overrides (as in `captioner fit`) applied."""
-    import torch
     import yaml
     from jsonargparse import ArgumentParser
 
+    from captioner.checkpoints import read
     from captioner.data.datamodules import CaptionDataModule
 
     if config is not None:
@@ -243,8 +243,7 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
             raise ConfigError(f"{config}: no data section")
     else:
         try:
-            state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # the weights stay unread
-            hparams = dict(state["datamodule_hyper_parameters"])
+            hparams = dict(read(checkpoint, mmap=True)["datamodule_hyper_parameters"])
         except (KeyError, TypeError):
             raise ConfigError(f"{checkpoint}: the checkpoint does not name its data; pass --config") from None
         hparams.pop("_instantiator", None)

@@ -242,7 +242,7 @@ class CaptionerCLI(LightningCLI):
 
 def load_module(checkpoint: str) -> CaptioningModule:
     """Load a CaptioningModule checkpoint, turning a missing or foreign file into a one-line error."""
-    state = read(checkpoint)  # a missing or foreign file is named in one line
+    state = read(checkpoint, mmap=True)  # a missing or foreign file is named in one line; Lightning reads it next
     if "hyper_parameters" not in state or "state_dict" not in state:
         raise CaptionerError(f"{checkpoint}: not a captioner checkpoint (not written by `captioner fit`)")
     try:
