@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 
 from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
 from captioner.data.vocab import Vocabulary
@@ -209,19 +210,15 @@ class CaptioningModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         metrics = self._decode_epoch_end("val")
+        # The plateau schedule steps here, where its metric has just been computed, rather than where Lightning would:
+        # after the epoch's checkpoints are written. A resumed run would otherwise miss one of its steps.
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
-            self._step_plateau_schedule(metrics)
-
-    def _step_plateau_schedule(self, metrics: dict[str, float]) -> None:
-        """Step the plateau schedule here, where its metric has just been computed, rather than where Lightning
-        would: after the epoch's checkpoints are written. A resumed run would otherwise miss one of its steps."""
-        schedulers = self.lr_schedulers()
-        for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler = self.lr_schedulers()  # configure_optimizers makes one at most
+            if isinstance(scheduler, ReduceLROnPlateau):
                 scheduler.step(metrics[self.hparams.lr_monitor])
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
-        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # that one: at validation's end
+        if not isinstance(scheduler, ReduceLROnPlateau):  # that one: at validation's end
             super().lr_scheduler_step(scheduler, metric)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
@@ -247,12 +244,12 @@ class CaptioningModule(L.LightningModule):
             groups.append({"params": encoder_params, "lr": hp.encoder_lr})
         optimizer = torch.optim.Adam(groups, weight_decay=hp.weight_decay)
         if hp.lr_schedule == "cosine":
-            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.max_epochs or 1))
+            cosine = CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.max_epochs or 1))
             return {"optimizer": optimizer, "lr_scheduler": cosine}
         if hp.lr_schedule == "none":
             return optimizer
         # Stepped by on_validation_epoch_end; Lightning saves and restores its state. strict=False: a run without
         # validation (limit_val_batches=0) warns that the metric is missing, not crash.
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", hp.lr_factor, hp.lr_patience)
+        plateau = ReduceLROnPlateau(optimizer, "max", hp.lr_factor, hp.lr_patience)
         scheduler = {"scheduler": plateau, "monitor": hp.lr_monitor, "strict": False}
         return {"optimizer": optimizer, "lr_scheduler": scheduler}

@@ -1,5 +1,6 @@
 """CaptioningModule's steps without a Trainer: a non-finite loss stops training, and a batch with no readable image
-is a zero loss that still reaches every trainable weight (so DDP's gradient all-reduce runs in every process)."""
+is a zero loss that still reaches every trainable weight (so DDP's gradient all-reduce runs in every process). With
+one: the plateau schedule steps once per validation of a fit."""
 
 import pytest
 import torch
@@ -91,3 +92,24 @@ def test_the_split_s_attention_correctness_comes_with_its_uniform_baseline_and_i
     assert metrics["test/attn_correctness"] == pytest.approx(0.7)  # per word, over the split
     assert metrics["test/attn_uniform_baseline"] == pytest.approx(0.2)
     assert metrics["test/attn_ceiling"] == pytest.approx(2.5 / 3)
+
+
+def test_the_plateau_schedule_steps_once_per_validation_of_a_fit_on_its_metric(tmp_path):
+    """Stepped at validation's end, where its metric has just been computed (before the epoch's checkpoints): once
+    per epoch of a fit, not at the sanity check, not by a later `validate`, and on `lr_monitor`'s value."""
+    import csv
+
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+    from captioner.cli import run_lightning_cli
+    from tests.conftest import tiny_fit_args
+
+    cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, "--trainer.max_epochs=3", "--model.lr_patience=0")])
+    scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, ReduceLROnPlateau)
+    assert scheduler.last_epoch == 3  # three validations of the fit; the sanity check's is not one
+    rows = csv.DictReader((tmp_path / "logs" / "debug" / "version_0" / "metrics.csv").open())
+    scores = [float(row["val/bleu4"]) for row in rows if row.get("val/bleu4")]
+    assert len(scores) == 3 and any(scheduler.best == pytest.approx(score) for score in scores)
+    cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    assert scheduler.last_epoch == 3
