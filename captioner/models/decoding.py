@@ -176,9 +176,9 @@ def beam_search(
         log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
         if carry is None:
             carry = finished_extension(K, log_probs.size(1), pad_index, device)
-        if live is None:
+        if live is None:  # sync-free: every row was run; a finished one's next word is <pad>, at no cost
             log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
-        elif live.numel() < A * G:
+        elif live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
             log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
         scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
         was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
