@@ -133,30 +133,26 @@ def demo(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=5, help="held-out test images to caption")
     parser.add_argument("--overlays", metavar="DIR", help="write one PNG per image: the image and one tile per word")
     args = parser.parse_args(argv)
+    if args.samples < 0:
+        raise ConfigError(f"--samples must be >= 0, got {args.samples}")
     overlays = _overlay_folder(args.overlays)
 
     import lightning as L
     import torch
 
     from captioner.data.datamodules import ShapesDataModule
-    from captioner.lightning_cli import load_module, quiet_lightning
-    from captioner.visualize import attention_grid
+    from captioner.data.vocab import detokenize
+    from captioner.lightning_cli import captions_with_overlays, load_module, quiet_lightning
 
-    module = load_module(args.checkpoint)
+    module = load_module(args.checkpoint).eval()
     datamodule = ShapesDataModule.load_from_checkpoint(args.checkpoint)
     test = datamodule.split("test")
-    transform = module.model.encoder.preprocessing.transforms()
-    count = min(args.samples, len(test))
-    pictures = [test.load_image(i) for i in range(count)]
-    images = torch.stack([transform(picture) for picture in pictures])  # (N,3,H,W)
-    module.eval()
+    pictures = [test.load_image(i) for i in range(min(args.samples, len(test)))]
     with torch.inference_mode():
-        generation = module.model.generate(images=images, max_len=module.hparams.max_caption_len)
-    for i, tokens in enumerate(generation.tokens.tolist()):
-        print(f"test image {i}\n  generated: {module.vocab.decode(tokens)}\n  reference: {test.captions(i)[0]}")
+        captioned = captions_with_overlays(module, pictures)
+    for i, (words, sheet) in enumerate(captioned):
+        print(f"test image {i}\n  generated: {detokenize(words)}\n  reference: {test.captions(i)[0]}")
         if overlays:
-            words = module.vocab.decode_tokens(tokens)
-            sheet = attention_grid(pictures[i], words, generation.alphas[i, : len(words)], module.model.encoder.grid_hw)
             path = overlays / f"test_{i}.png"
             sheet.save(path)
             print(f"  overlay: {path}")

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoi
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from PIL import Image
 
 from captioner.checkpoints import FINGERPRINT, read
 from captioner.errors import CaptionerError, ConfigError
@@ -135,20 +136,32 @@ class AttentionImages(Callback):
         boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if not boards or trainer.sanity_checking or not trainer.is_global_zero or trainer.datamodule is None:
             return
-        from captioner.visualize import attention_grid
-
         split = trainer.datamodule.split("val")
         pictures = [split.load_image(i) for i in range(min(self.count, len(split)))]
-        encoder = pl_module.model.encoder
-        transform = encoder.preprocessing.transforms()
-        images = torch.stack([transform(picture) for picture in pictures]).to(pl_module.device)  # (N,3,H,W)
-        generation = pl_module.model.generate(images=images, max_len=pl_module.hparams.max_caption_len)
-        for i, (picture, tokens) in enumerate(zip(pictures, generation.tokens.tolist(), strict=True)):
-            words = pl_module.vocab.decode_tokens(tokens)
-            sheet = attention_grid(picture, words, generation.alphas[i, : len(words)].cpu(), encoder.grid_hw)
+        for i, (_, sheet) in enumerate(captions_with_overlays(pl_module, pictures)):
             pixels = torch.from_numpy(np.array(sheet)).permute(2, 0, 1)  # (3,H,W) uint8, a writable copy
             for board in boards:
                 board.experiment.add_image(f"attention/val_{i}", pixels, trainer.global_step)
+
+
+def captions_with_overlays(
+    module: CaptioningModule, pictures: list[Image.Image]
+) -> list[tuple[list[str], Image.Image]]:
+    """Each picture's greedy caption by `module` (its words) and its attention overlays (`attention_grid`): what
+    `captioner demo --overlays` writes and `AttentionImages` logs."""
+    from captioner.visualize import attention_grid
+
+    if not pictures:  # `captioner demo --samples 0`
+        return []
+    encoder = module.model.encoder
+    transform = encoder.preprocessing.transforms()
+    images = torch.stack([transform(picture) for picture in pictures]).to(module.device)  # (N,3,H,W)
+    generation = module.model.generate(images=images, max_len=module.hparams.max_caption_len)
+    results = []
+    for picture, tokens, alphas in zip(pictures, generation.tokens.tolist(), generation.alphas.cpu(), strict=True):
+        words = module.vocab.decode_tokens(tokens)
+        results.append((words, attention_grid(picture, words, alphas[: len(words)], encoder.grid_hw)))
+    return results
 
 
 class PredictionWriter(BasePredictionWriter):

@@ -56,6 +56,9 @@ def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(t
     for sheet, words in zip(sheets, captions, strict=True):  # the image, then one titled 192-pixel tile per word
         with Image.open(sheet) as picture:
             assert picture.size == (5 * 192, -(-(1 + len(words)) // 5) * (192 + 22) + 24)  # + the colour bar
+    main(["demo", "--ckpt_path", str(checkpoint), "--samples", "0"])  # no image to caption: the score alone
+    lines = capfd.readouterr().out.strip().splitlines()
+    assert not any("generated:" in line for line in lines) and lines[-1].startswith("val/bleu4=")
 
 
 def test_the_same_seed_trains_the_same_weights_with_or_without_a_built_feature_cache(tmp_path):
@@ -84,6 +87,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["fit", "--config", "configs/debug.yaml", "--model.backbone=vgg99"], "unknown backbone 'vgg99'"),
         (["fit", "--config", "configs/debug.yaml", "--model.alpha_c=-1"], "alpha_c (lambda) must be >= 0, got -1"),
         (["demo", "--checkpoint", "missing.ckpt"], "missing.ckpt: checkpoint not found"),
+        (["demo", "--checkpoint", "missing.ckpt", "--samples", "-1"], "--samples must be >= 0, got -1"),
     ],
 )
 def test_user_mistakes_give_one_line_and_no_traceback(args, message, tmp_path):
