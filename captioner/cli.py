@@ -294,8 +294,9 @@ def evaluate(argv: list[str]) -> None:
         generation = module.model.generate(
             **inputs, beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty
         )
+        generation.alphas = generation.alphas.cpu()  # one copy from the device: decode_batch and the peaks read it
         decoded = decode_batch(batch, generation, module.vocab, module.model.encoder.grid_hw)
-        for image, alphas in zip(decoded, generation.alphas.cpu(), strict=True):
+        for image, alphas in zip(decoded, generation.alphas, strict=True):
             image_id = source.image_id(image.index) if hasattr(source, "image_id") else image.index
             hypotheses[image_id] = detokenize(image.words)
             references[image_id] = source.captions(image.index)

@@ -101,6 +101,12 @@ def test_every_command_takes_the_caption(case, checkpoints, tmp_path, capsys):
     assert scores["Bleu_4"] < 1e-6 and all(math.isfinite(value) for value in scores.values())
     assert scores["exact_reference"] == 0.0
 
+    capsys.readouterr()  # the demo: captions of the checkpoint's own test images, their overlays, the score
+    main(["demo", "--ckpt_path", checkpoint, "--samples", "2", "--overlays", str(tmp_path / "demo")])
+    said = capsys.readouterr().out.splitlines()
+    assert [line.split("generated:")[1].split() for line in said if "generated:" in line] == [words, words]
+    assert len(list((tmp_path / "demo").glob("*.png"))) == 2 and said[-1].startswith("val/bleu4=")
+
     images[0].save(tmp_path / "photo.png")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

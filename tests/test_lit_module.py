@@ -108,7 +108,7 @@ def test_the_plateau_schedule_steps_once_per_validation_of_a_fit_on_its_metric(t
     scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(scheduler, ReduceLROnPlateau)
     assert scheduler.last_epoch == 3  # three validations of the fit; the sanity check's is not one
-    rows = csv.DictReader((tmp_path / "logs" / "debug" / "version_0" / "metrics.csv").open())
+    rows = csv.DictReader((tmp_path / "logs" / "debug" / "version_0" / "metrics.csv").read_text().splitlines())
     scores = [float(row["val/bleu4"]) for row in rows if row.get("val/bleu4")]
     assert len(scores) == 3 and any(scheduler.best == pytest.approx(score) for score in scores)
     cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
