@@ -22,8 +22,8 @@ demo: $(VENV)/.installed  ## train on the built-in shapes set, caption held-out 
 	$(BIN)/captioner fit --config configs/shapes.yaml --trainer.enable_progress_bar=false
 	$(BIN)/captioner demo --ckpt_path $(CKPT) --overlays overlays/demo
 
-test: install  ## run the test suite (slow tests excluded: add -m slow to run them)
-	$(BIN)/python -m pytest
+test: install  ## run the test suite on every core (.ci/run adds the tests marked ci; -m slow runs the slow ones)
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 notebooks: install  ## execute both notebooks and write them with their outputs (they are committed executed)
 	$(BIN)/python -m tests.test_notebooks

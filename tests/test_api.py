@@ -1,6 +1,5 @@
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +30,9 @@ def test_caption_paths_and_pil_images(tiny_model, tmp_path):
         assert r.score < 0
 
 
-def test_exported_file_and_checkpoint_give_the_same_captions(tiny_model):
+def test_exported_file_and_checkpoint_give_the_same_captions(tiny_model, tiny_checkpoint):
     from_export = Captioner.load(tiny_model).caption(photo("chelsea"), beam_size=2)[0]
-    ckpt = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
-    from_ckpt = Captioner.load(ckpt).caption(photo("chelsea"), beam_size=2)[0]
+    from_ckpt = Captioner.load(tiny_checkpoint).caption(photo("chelsea"), beam_size=2)[0]
     assert from_export.tokens == from_ckpt.tokens and from_export.score == pytest.approx(from_ckpt.score, abs=1e-4)
 
 
@@ -59,10 +57,10 @@ def test_loading_a_foreign_file_is_a_clear_error(tmp_path):
         Captioner.load(tmp_path / "nope.ckpt")
 
 
-def test_an_export_killed_mid_write_leaves_the_previous_file_whole(tiny_model, tmp_path, monkeypatch):
+def test_an_export_killed_mid_write_leaves_the_previous_file_whole(tiny_checkpoint, tmp_path, monkeypatch):
     from captioner.checkpoints import export
 
-    checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
+    checkpoint = tiny_checkpoint
     output = export(checkpoint, tmp_path / "model.pt")
     before = output.read_bytes()
 

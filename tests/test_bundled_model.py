@@ -22,11 +22,18 @@ def model() -> Captioner:
 
 
 @pytest.fixture(scope="module")
-def held_out(model) -> dict[str, float]:
+def split_images() -> tuple[ShapesDataset, list[Image.Image]]:
+    """The shapes test split of 500 images, and the images, drawn once."""
+    test = ShapesDataset("test", 500, seed=0)
+    return test, [test.load_image(i) for i in range(len(test))]
+
+
+@pytest.fixture(scope="module")
+def held_out(model, split_images) -> dict[str, float]:
     """Attention correctness, BLEU-4 and exact captions on the 500 images of the shapes test split, decoded with
     beam 3 as `captioner caption`, `captioner serve` and `Captioner.caption` decode by default."""
-    test = ShapesDataset("test", 500, seed=0)
-    results = model.caption([test.load_image(i) for i in range(len(test))], beam_size=3)
+    test, images = split_images
+    results = model.caption(images, beam_size=3)
     references = [[tokenize(c) for c in test.captions(i)] for i in range(len(test))]
     masses, ceilings = [], []
     for i, r in enumerate(results):
@@ -55,15 +62,15 @@ def plain(model) -> float:
     return named / len(cases)
 
 
-def test_sync_free_decoding_writes_the_same_captions_on_its_test_split(model):
+def test_sync_free_decoding_writes_the_same_captions_on_its_test_split(model, split_images):
     """The decoders' fixed-shape form (the default on CUDA) against the shrinking one (the CPU's), token for token."""
-    test = ShapesDataset("test", 500, seed=0)
+    _, images = split_images
     transform = model.model.encoder.preprocessing.transforms()
     with torch.inference_mode():
         annotations = torch.cat(
             [
-                model.model.annotate(torch.stack([transform(test.load_image(i)) for i in range(start, start + 100)]))
-                for start in range(0, len(test), 100)
+                model.model.annotate(torch.stack([transform(image) for image in images[start : start + 100]]))
+                for start in range(0, len(images), 100)
             ]
         )  # (500,P,E)
         for beam_size in (1, 3):

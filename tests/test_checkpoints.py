@@ -69,12 +69,14 @@ def test_a_frozen_run_started_from_a_fine_tuned_checkpoint_keeps_and_caches_that
     assert {path for path in (tmp_path / "data" / "features").iterdir() if path.is_dir()} == expected
 
 
-def test_a_frozen_pretrained_run_leaves_its_encoder_out_of_checkpoints_and_exports_and_says_which(tiny_model, lite0):
-    checkpoint = model_file(f"{tiny_model.rsplit('/', 1)[0]}/checkpoints/best.ckpt")
+def test_a_frozen_pretrained_run_leaves_its_encoder_out_of_checkpoints_and_exports_and_says_which(
+    tiny_checkpoint, tiny_model, lite0, tmp_path
+):
+    checkpoint = model_file(tiny_checkpoint)
     exported = model_file(tiny_model)
     for file in (checkpoint, exported):
         assert not file.has_encoder and file.fingerprint == lite0.fingerprint()
-    included = model_file(export(f"{tiny_model.rsplit('/', 1)[0]}/checkpoints/best.ckpt", f"{tiny_model}.full", True))
+    included = model_file(export(tiny_checkpoint, tmp_path / "full.pt", True))
     assert included.has_encoder and included.fingerprint is None
     assert all(torch.equal(v, lite0.state_dict()[k.removeprefix("encoder.")]) for k, v in included.weights.items()
                if k.startswith("encoder."))  # fmt: skip

@@ -13,7 +13,7 @@ from captioner.api import Captioner
 from captioner.cli import main, run_lightning_cli
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import CaptionerError
-from tests.conftest import tiny_fit_args
+from tests.conftest import run_main, tiny_fit_args
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -80,6 +80,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "captioner.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+def test_a_mistake_ends_the_process_with_status_2_and_one_line():
+    """The `captioner` process itself (the mistakes below run in the test's process, through the same `main`)."""
+    result = run_cli("fit", "--config", "configs/nope.yaml")
+    assert result.returncode == 2 and result.stderr == "error: configs/nope.yaml: config file not found\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -90,30 +96,30 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["demo", "--checkpoint", "missing.ckpt", "--samples", "-1"], "--samples must be >= 0, got -1"),
     ],
 )
-def test_user_mistakes_give_one_line_and_no_traceback(args, message, tmp_path):
-    result = run_cli(*args, *(["--data.init_args.data_dir", str(tmp_path)] if args[0] == "fit" else []))
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr
+def test_user_mistakes_give_one_line_and_no_traceback(args, message, tmp_path, capfd):
+    ran = run_main(capfd, *args, *(["--data.init_args.data_dir", str(tmp_path)] if args[0] == "fit" else []))
+    assert ran.status == 2
+    assert "Traceback" not in ran.err
+    errors = [line for line in ran.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], ran.err
 
 
 @pytest.mark.parametrize("command", [["demo", "--checkpoint", "missing.ckpt"], ["caption", "missing.jpg"]])
-def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path):
+def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path, capfd):
     taken = tmp_path / "taken"
     taken.write_text("a file, not a folder")
-    result = run_cli(*command, "--overlays", str(taken))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == f"error: {taken}: cannot write overlays there: File exists"
+    ran = run_main(capfd, *command, "--overlays", str(taken))
+    assert ran.status == 2 and "Traceback" not in ran.err
+    assert ran.err.strip() == f"error: {taken}: cannot write overlays there: File exists"
 
 
-def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_model, tmp_path):
-    state = torch.load(Path(tiny_model).parent / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=True)
+def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_checkpoint, tmp_path, capfd):
+    state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     state["encoder_fingerprint"] = "0" * 64  # as if trained with other pretrained weights than those installed here
     torch.save(state, tmp_path / "other.ckpt")
-    result = run_cli("demo", "--ckpt_path", str(tmp_path / "other.ckpt"))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == (
+    ran = run_main(capfd, "demo", "--ckpt_path", str(tmp_path / "other.ckpt"))
+    assert ran.status == 2 and "Traceback" not in ran.err
+    assert ran.err.strip() == (
         f"error: {tmp_path / 'other.ckpt'}: it left out its efficientnet_lite0 weights, to be rebuilt from their "
         "pretrained source, and the efficientnet_lite0 weights here are not those it was trained with: install the same"
     )
@@ -121,25 +127,21 @@ def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_
         Captioner.load(tmp_path / "other.ckpt")
 
 
-def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path):
+def test_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path, capfd):
     bogus = tmp_path / "bogus.ckpt"
     bogus.write_bytes(b"not a checkpoint")
-    result = run_cli("demo", "--checkpoint", str(bogus))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"{bogus}: not a captioner checkpoint" in result.stderr
+    ran = run_main(capfd, "demo", "--checkpoint", str(bogus))
+    assert ran.status == 2 and "Traceback" not in ran.err
+    assert f"{bogus}: not a captioner checkpoint" in ran.err
 
 
-def test_predict_writes_captions_as_json_lines(tmp_path):
-    main(["fit", *tiny_fit_args(tmp_path)])
+def test_predict_writes_captions_as_json_lines(tiny_checkpoint, tmp_path):
     output = tmp_path / "predictions.jsonl"
     main(
         [
             "predict",
             *tiny_fit_args(
-                tmp_path,
-                f"--ckpt_path={tmp_path / 'checkpoints' / 'best.ckpt'}",
-                f"--predictions.output={output}",
-                "--model.beam_size=2",
+                tmp_path, f"--ckpt_path={tiny_checkpoint}", f"--predictions.output={output}", "--model.beam_size=2"
             ),
         ]
     )
@@ -201,9 +203,8 @@ def test_the_bundled_model_says_what_it_is_when_no_checkpoint_is_given(tmp_path,
         assert captured.err.count("trained on synthetic shapes only") == (1 if note else 0), captured.err
 
 
-def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_model, tmp_path, capsys):
-    checkpoint = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
-    main(["evaluate", "--checkpoint", str(checkpoint), "--output", str(tmp_path), "--split", "val", "--beam-size", "1"])
+def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on(tiny_checkpoint, tmp_path, capsys):
+    main(["evaluate", "--checkpoint", tiny_checkpoint, "--output", str(tmp_path), "--split", "val", "--beam-size", "1"])
     assert "%|" not in capsys.readouterr().err  # no progress bar when stderr is not a terminal
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert sorted(c["image_id"] for c in captions) == list(range(16))  # configs/debug.yaml's 16 val images

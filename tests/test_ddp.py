@@ -1,6 +1,6 @@
 """Lightning DDP on the CPU (gloo, two processes), as a user with two GPUs runs it: corpus metrics over the whole
 split, predictions written once per image, and batches in which no image can be read skipped by one process while
-the other trains on."""
+the other trains on. Real DDP runs, slow by nature: .ci/run runs them (`-m ci`), not `make test`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import torch
 from captioner.cli import run_lightning_cli
 from captioner.data.shapes import ShapesDataset
 from tests.conftest import REPO, tiny_fit_args
+
+pytestmark = pytest.mark.ci
 
 DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp"]
 # Batches of 2 images read from PNG files (some broken, below); the DistributedSampler pads val and test's 15 to 16.

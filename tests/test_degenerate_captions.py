@@ -50,10 +50,9 @@ def test_the_scorers_and_drawers_take_the_caption(case):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_model, tmp_path_factory) -> dict[str, str]:
+def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
     """The tiny model's fit checkpoint, one copy per case, its output layer biased towards the case's token."""
-    source = f"{tiny_model.rsplit('/', 1)[0]}/checkpoints/best.ckpt"
-    state = torch.load(source, map_location="cpu", weights_only=True)
+    state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     vocab = Vocabulary(state["hyper_parameters"]["vocab"])
     folder = tmp_path_factory.mktemp("degenerate")
     paths = {}

@@ -5,12 +5,13 @@ two options meets in at least one run (not the full product, which is 2^10 runs)
 Each run ends with exit status 0, finite logged metrics and files that load, or, for a combination refused on purpose
 (self-critical training with hard attention), one `error:` line and status 2; never a traceback, never a hang (each
 command has a timeout). The runs use the shipped configs/debug.yaml, logger and checkpointing on, overriding paths,
-sizes and the options under test. The compiled step is compiled with backend aot_eager (Dynamo's and AOTAutograd's
-graphs, without Inductor's code generation, which takes minutes per graph on 2 cores; tests/test_compile.py -m slow
-runs Inductor).
+sizes and the options under test. A run of one process runs in the test's own process, through the script's `main`
+(Dynamo's caches emptied first, as a new process starts with them empty); a run of two DDP processes runs in processes
+of its own. The compiled step is compiled with backend aot_eager (Dynamo's and AOTAutograd's graphs, without
+Inductor's code generation, which takes minutes per graph on 2 cores; tests/test_compile.py -m slow runs Inductor).
 
-`pytest -m matrix` runs every combination (.ci/run does, after `make test`); the default run keeps two: one training
-run and the refused one. `pytest tests/test_option_matrix.py -m matrix -v` lists the combinations and their results.
+`make test` keeps two combinations: one training run and the refused one. .ci/run runs every combination, after
+`make test` (`-m ci`); `pytest tests/test_option_matrix.py -m matrix -v` lists them with their results.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import pytest
 import torch
 
 from captioner.api import Captioner
+from captioner.cli import run_lightning_cli
 from captioner.data.shapes import ShapesDataset
-from tests.conftest import REPO, tiny_fit_args
+from tests.conftest import REPO, Ran, run_main, tiny_fit_args
 
 FACTORS: dict[str, tuple] = {
     "attention": ("soft", "hard"),
@@ -102,21 +104,26 @@ def fast(row: Row) -> bool:
     return refused(row) or row is first
 
 
-SLOW = (pytest.mark.slow, pytest.mark.matrix)
-PARAMS = [pytest.param(row, id=name(row), marks=() if fast(row) else SLOW) for row in ROWS]
+IN_CI = (pytest.mark.ci, pytest.mark.matrix)
+PARAMS = [pytest.param(row, id=name(row), marks=() if fast(row) else IN_CI) for row in ROWS]
 
 
-def captioner(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def captioner(capfd, *args: str, processes: int = 1, timeout: float = 300) -> Ran:
+    """`captioner ARGS` in this process, or with `processes=2` (DDP) in processes of its own."""
+    if processes == 1:
+        torch.compiler.reset()
+        return run_main(capfd, *args, timeout=timeout)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "captioner.cli", *args]
     try:
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"`captioner {' '.join(args[:1])}` did not end within {timeout} s (a hang)")
+    return Ran(result.returncode, result.stdout, result.stderr)
 
 
-def ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-4000:]
+def ok(result: Ran) -> None:
+    assert result.status == 0 and "Traceback" not in result.err, result.err[-4000:]
 
 
 def options(row: Row, tuned: dict[str, Path]) -> list[str]:
@@ -150,7 +157,7 @@ def tuned(tmp_path_factory) -> dict[str, Path]:
         def __missing__(self, size: str) -> Path:
             folder = root / size
             args = options({**BASE, "size": size, "fine_tune": 1}, {})
-            ok(captioner("fit", *tiny_fit_args(folder, *args)))
+            run_lightning_cli(["fit", *tiny_fit_args(folder, *args)])
             self[size] = folder / "checkpoints" / "best.ckpt"
             return self[size]
 
@@ -167,12 +174,12 @@ def logged(root: Path) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("row", PARAMS)
-def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_resumes(row, tuned, tmp_path):
+def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_resumes(row, tuned, tmp_path, capfd):
     args = tiny_fit_args(tmp_path, *options(row, tuned if row["init_from"] == "tuned" else {}))
-    fit = captioner("fit", *args)
+    fit = captioner(capfd, "fit", *args, processes=int(row["devices"]))
     if refused(row):
-        errors = [line for line in fit.stderr.splitlines() if line.startswith("error:")]
-        assert fit.returncode == 2 and "Traceback" not in fit.stderr, fit.stderr[-3000:]
+        errors = [line for line in fit.err.splitlines() if line.startswith("error:")]
+        assert fit.status == 2 and "Traceback" not in fit.err, fit.err[-3000:]
         assert errors == ["error: objective scst needs soft attention: hard attention's own REINFORCE is not combined "
                           "with it"]  # fmt: skip
         return
@@ -182,20 +189,21 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     assert all(math.isfinite(value) for value in values.values()), values
     best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "checkpoints" / "last.ckpt"
 
-    ok(captioner("test", *args, f"--ckpt_path={best}"))
+    ok(captioner(capfd, "test", *args, f"--ckpt_path={best}", processes=int(row["devices"])))
     assert math.isfinite(logged(tmp_path)["test/bleu4"])
     output = tmp_path / "predictions.jsonl"
-    ok(captioner("predict", *args, f"--ckpt_path={best}", f"--predictions.output={output}"))
+    ok(captioner(capfd, "predict", *args, f"--ckpt_path={best}", f"--predictions.output={output}",
+                 processes=int(row["devices"])))  # fmt: skip
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(8))
 
     images = [ShapesDataset("test", 2, seed=9).load_image(i) for i in range(2)]
     captions = [r.tokens for r in Captioner.load(best).caption(images)]
     exported = tmp_path / "model.pt"
-    ok(captioner("export", "--ckpt_path", str(best), "--output", str(exported)))
+    ok(captioner(capfd, "export", "--ckpt_path", str(best), "--output", str(exported)))
     assert [r.tokens for r in Captioner.load(exported).caption(images)] == captions
 
-    ok(captioner("fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last"))
+    ok(captioner(capfd, "fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last", processes=int(row["devices"])))
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["epoch"] == 1 and all(math.isfinite(value) for value in logged(tmp_path).values())
 

@@ -1,5 +1,5 @@
-"""A run killed with SIGKILL resumes from last.ckpt as if it had never stopped; a kill while a checkpoint is being
-written leaves the previous checkpoint whole."""
+"""A run killed with SIGKILL resumes from last.ckpt as if it had never stopped (a real run killed and resumed: .ci/run
+runs it, `-m ci`); a kill while a checkpoint is being written leaves the previous checkpoint whole."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from captioner.cli import run_lightning_cli
@@ -39,6 +40,7 @@ def steps(path: Path) -> list[tuple[int, int]]:
     return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.ci
 def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_to_the_same_weights(tmp_path):
     data = tmp_path / "data"
     uninterrupted = run_lightning_cli(
@@ -98,16 +100,16 @@ AtomicCheckpointIO().save_checkpoint(checkpoint, sys.argv[1])
 """
 
 
-def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_whole(tmp_path):
-    run_lightning_cli(["fit", *tiny_fit_args(tmp_path)])
-    last = tmp_path / "checkpoints" / "last.ckpt"
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_whole(copy_of_tiny_run):
+    run = copy_of_tiny_run  # a debug run of one epoch: last.ckpt is at step 4
+    last = run / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
     command = [sys.executable, "-c", KILL_WHILE_WRITING, str(last)]
     killed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert last.read_bytes() == before  # untouched: the torn half went to a temporary file beside it
-    assert 0 < (tmp_path / "checkpoints" / ".last.ckpt.part").stat().st_size < len(before)
+    assert 0 < (run / "checkpoints" / ".last.ckpt.part").stat().st_size < len(before)
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["global_step"] == 4
-    resumed = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, "--trainer.max_epochs=2", "--ckpt_path=last")])
+    resumed = run_lightning_cli(["fit", *tiny_fit_args(run, "--trainer.max_epochs=2", "--ckpt_path=last")])
     assert resumed.trainer.global_step == 8  # `--ckpt_path last` found last.ckpt, not the torn file

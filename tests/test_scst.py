@@ -3,7 +3,6 @@ the CLI that starts from a cross-entropy checkpoint, resumes, and tests, caption
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -74,14 +73,14 @@ def test_a_sample_s_log_probability_reaches_every_decoder_weight():
 
 
 def test_an_scst_run_starts_from_a_cross_entropy_checkpoint_resumes_and_tests_captions_and_exports(
-    tiny_model, tmp_path, capsys
+    tiny_checkpoint, tmp_path, capsys
 ):
     from captioner.api import Captioner, export
     from captioner.cli import main, run_lightning_cli
     from tests.conftest import tiny_fit_args
     from tests.images import photo
 
-    start = Path(tiny_model).parent / "checkpoints" / "best.ckpt"  # debug.yaml, cross-entropy, one epoch
+    start = tiny_checkpoint  # debug.yaml, cross-entropy, one epoch
     scst = ["--model.objective=scst", f"--model.init_from={start}", "--data.init_args.train_captions=random"]
     fit = run_lightning_cli(["fit", *tiny_fit_args(tmp_path, *scst)])
     begun = torch.load(start, map_location="cpu", weights_only=True)["state_dict"]
@@ -125,11 +124,13 @@ def test_an_scst_run_starts_from_a_cross_entropy_checkpoint_resumes_and_tests_ca
         ("--model.attention_mode=hard", r"objective scst needs soft attention"),
     ],
 )
-def test_a_start_that_does_not_fit_the_config_is_one_line_naming_both(tiny_model, tmp_path, capsys, change, message):
+def test_a_start_that_does_not_fit_the_config_is_one_line_naming_both(
+    tiny_checkpoint, tmp_path, capsys, change, message
+):
     from captioner.cli import main
     from tests.conftest import tiny_fit_args
 
-    start = Path(tiny_model).parent / "checkpoints" / "best.ckpt"
+    start = tiny_checkpoint
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *tiny_fit_args(tmp_path, "--model.objective=scst", f"--model.init_from={start}", change)])
     assert exit_info.value.code == 2
