@@ -6,6 +6,7 @@ below, trained once per worker and read by every test that needs a trained model
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -48,18 +49,11 @@ def _one_meteor_process():
     process, started when first needed: the same jar and the same scores, its start paid once per worker."""
     from pycocoevalcap.meteor import meteor
 
-    started: list = []
-
-    def shared() -> meteor.Meteor:
-        if not started:
-            started.append(original())
-        return started[0]
-
     original = meteor.Meteor
-    meteor.Meteor = shared
+    meteor.Meteor = shared = functools.cache(original)  # Meteor() gives the one made at the first call
     yield
     meteor.Meteor = original
-    started.clear()  # its __del__ stops the Java process
+    shared.cache_clear()  # the scorer's __del__ stops its Java process
 
 
 @pytest.fixture(scope="session")

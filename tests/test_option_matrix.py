@@ -175,8 +175,11 @@ def logged(root: Path) -> dict[str, float]:
 
 @pytest.mark.parametrize("row", PARAMS)
 def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_resumes(row, tuned, tmp_path, capfd):
+    def run(*args: str) -> Ran:  # fit, test and predict run in as many processes as the row's devices
+        return captioner(capfd, *args, processes=int(row["devices"]))
+
     args = tiny_fit_args(tmp_path, *options(row, tuned if row["init_from"] == "tuned" else {}))
-    fit = captioner(capfd, "fit", *args, processes=int(row["devices"]))
+    fit = run("fit", *args)
     if refused(row):
         errors = [line for line in fit.err.splitlines() if line.startswith("error:")]
         assert fit.status == 2 and "Traceback" not in fit.err, fit.err[-3000:]
@@ -189,11 +192,10 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     assert all(math.isfinite(value) for value in values.values()), values
     best, last = tmp_path / "checkpoints" / "best.ckpt", tmp_path / "checkpoints" / "last.ckpt"
 
-    ok(captioner(capfd, "test", *args, f"--ckpt_path={best}", processes=int(row["devices"])))
+    ok(run("test", *args, f"--ckpt_path={best}"))
     assert math.isfinite(logged(tmp_path)["test/bleu4"])
     output = tmp_path / "predictions.jsonl"
-    ok(captioner(capfd, "predict", *args, f"--ckpt_path={best}", f"--predictions.output={output}",
-                 processes=int(row["devices"])))  # fmt: skip
+    ok(run("predict", *args, f"--ckpt_path={best}", f"--predictions.output={output}"))
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["index"] for r in records] == list(range(8))
 
@@ -203,7 +205,7 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     ok(captioner(capfd, "export", "--ckpt_path", str(best), "--output", str(exported)))
     assert [r.tokens for r in Captioner.load(exported).caption(images)] == captions
 
-    ok(captioner(capfd, "fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last", processes=int(row["devices"])))
+    ok(run("fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last"))
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["epoch"] == 1 and all(math.isfinite(value) for value in logged(tmp_path).values())
 
