@@ -89,8 +89,8 @@ def greedy_search(
         out_alphas[rows, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
         scores.index_add_(0, rows, best)
         finished = finished | (tokens == end_index)
-        if sync_free:
-            if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+        if sync_free:  # the one host sync: every CHECK_EVERY words, when another word follows
+            if (t + 1) % CHECK_EVERY == 0 and t + 1 < max_len and bool(finished.all()):
                 break
         elif bool(finished.any()):  # the ended captions leave the batch
             keep = (~finished).nonzero().squeeze(1)
@@ -123,8 +123,8 @@ def beam_search(
 
     Hypotheses are ranked by score / length**length_penalty (0: the raw log-probability), in the search as at its end:
     a finished hypothesis keeps its length, and a live one that reaches a better score per word can take its place.
-    Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. It never
-    returns an empty caption.
+    Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. Its
+    caption is empty when that hypothesis is <end> alone (tests/test_degenerate_captions.py).
 
     Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
     - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
@@ -195,8 +195,8 @@ def beam_search(
         record_alphas.append(step_alphas)
         input_rows = rows
 
-        if sync_free:
-            if (t + 1) % CHECK_EVERY == 0 and bool(finished.all()):  # the one host sync, every CHECK_EVERY words
+        if sync_free:  # the one host sync: every CHECK_EVERY words, when another word follows
+            if (t + 1) % CHECK_EVERY == 0 and t + 1 < max_len and bool(finished.all()):
                 break
             continue
         done = finished.view(A, K).all(dim=1)  # (A,)

@@ -67,7 +67,7 @@ def test_a_sync_put_in_the_step_on_purpose_is_seen(plant, monkeypatch):
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-@pytest.mark.parametrize("max_len", [5, 12, 30])
+@pytest.mark.parametrize("max_len", [5, 8, 12, 16, 30])  # 8, 16: no check after the last word
 def test_sync_free_search_waits_once_every_check_every_words_and_once_at_the_end(beam_size, max_len):
     torch.manual_seed(0)
     m = model().eval()
