@@ -164,12 +164,15 @@ def tuned(tmp_path_factory) -> dict[str, Path]:
     return Lazy()
 
 
+def runs(root: Path) -> list[list[dict[str, str]]]:
+    """The rows of each CSV that the commands run under `root` wrote (each command writes one), oldest first."""
+    paths = sorted((root / "logs").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime_ns)
+    return [list(csv.DictReader(path.read_text().splitlines())) for path in paths]
+
+
 def logged(root: Path) -> dict[str, float]:
-    """Every metric the commands run under `root` logged (each command writes a CSV of its own): its last value."""
-    rows = []
-    for path in sorted((root / "logs").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime_ns):
-        with path.open() as file:
-            rows += list(csv.DictReader(file))
+    """Every metric the commands run under `root` logged: its last value."""
+    rows = [row for run in runs(root) for row in run]
     return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
 
 
@@ -208,6 +211,8 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     ok(run("fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last"))
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["epoch"] == 1 and all(math.isfinite(value) for value in logged(tmp_path).values())
+    resumed = runs(tmp_path)[-1]  # it went on from last.ckpt: the first epoch was not trained again
+    assert {int(r["epoch"]) for r in resumed} == {1} and any(r.get("train/loss_epoch") for r in resumed), resumed
 
 
 def test_the_rows_meet_every_pair_of_values_that_a_valid_run_can_hold():
