@@ -5,7 +5,8 @@ installed with the package or in torch's cache), which loading rebuilds bit for 
 checkpoint unchanged. Whether they are is decided in one place, `encoder_left_out`, by comparing the weights with the
 source's (their fingerprints, `Encoder.fingerprint`), never by a flag such as "frozen": a frozen encoder started from
 a fine-tuned checkpoint is not its source. The file then records the fingerprint, and loading checks it
-(`with_encoder`). Files are read with torch.load(weights_only=True): loading never unpickles code.
+(`with_encoder`): the weights alone, so that a file loads into a model of another image size or grid. Files are read
+with torch.load(weights_only=True): loading never unpickles code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import Encoder
 from captioner.models.show_attend_tell import ShowAttendTell
 
-FINGERPRINT = "encoder_fingerprint"  # in a file that leaves out its encoder: the fingerprint of the weights left out
+FINGERPRINT = "encoder_weights"  # in a file that leaves out its encoder: the fingerprint of the weights left out
+# What files written before FINGERPRINT recorded instead: the encoder's annotation_fingerprint (weights, preprocessing
+# and grid). They are checked against it, with the image size and grid they were written with.
+ANNOTATION_FINGERPRINT = "encoder_fingerprint"
 EXPORT_FORMAT = "captioner-model/1"
 ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
 BASELINE = "reward_baseline"  # hard attention's running baseline b (a buffer)
@@ -45,6 +49,27 @@ def read(path: str | Path, name: str | None = None, mmap: bool = False) -> dict:
     return state
 
 
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a file that left out its encoder's weights recorded of them."""
+
+    value: str
+    annotations: bool = False  # an older file's ANNOTATION_FINGERPRINT, not the weights' alone
+
+    @classmethod
+    def read(cls, state: dict) -> Fingerprint | None:
+        """The record of a file's contents (a checkpoint's or an export's top level), if it has one."""
+        if FINGERPRINT in state:
+            return cls(state[FINGERPRINT])
+        return cls(state[ANNOTATION_FINGERPRINT], annotations=True) if ANNOTATION_FINGERPRINT in state else None
+
+    def write(self, state: dict) -> None:
+        state[ANNOTATION_FINGERPRINT if self.annotations else FINGERPRINT] = self.value
+
+    def matches(self, encoder: Encoder) -> bool:
+        return self.value == (encoder.annotation_fingerprint() if self.annotations else encoder.fingerprint())
+
+
 def encoder_left_out(encoder: Encoder) -> str | None:
     """The fingerprint a file records when it leaves out `encoder`'s weights: they are its pretrained source's. None
     when they are not (fine-tuned, started from another file, or built without a source), and must be written."""
@@ -52,21 +77,21 @@ def encoder_left_out(encoder: Encoder) -> str | None:
     return source if source is not None and encoder.fingerprint() == source else None
 
 
-def without_encoder(weights: dict, encoder: Encoder, prefix: str = "") -> tuple[dict, str | None]:
+def without_encoder(weights: dict, encoder: Encoder, prefix: str = "") -> tuple[dict, Fingerprint | None]:
     """`weights` (a state_dict whose encoder's keys start with prefix + "encoder.") without the encoder's when it can
     be left out, and the fingerprint to record (None: kept)."""
     fingerprint = encoder_left_out(encoder)
     if fingerprint is None:
         return weights, None
-    return {k: v for k, v in weights.items() if not k.startswith(prefix + ENCODER)}, fingerprint
+    return {k: v for k, v in weights.items() if not k.startswith(prefix + ENCODER)}, Fingerprint(fingerprint)
 
 
-def with_encoder(weights: dict, encoder: Encoder, fingerprint: str | None, name: str, prefix: str = "") -> dict:
+def with_encoder(weights: dict, encoder: Encoder, fingerprint: Fingerprint | None, name: str, prefix: str = "") -> dict:
     """`weights` completed with `encoder`'s own where the file left its encoder out, after checking that they are the
     ones it left out (`fingerprint`; a file without one predates it and is taken as it is)."""
     if any(k.startswith(prefix + ENCODER) for k in weights):
         return weights
-    if fingerprint is not None and fingerprint != encoder.fingerprint():
+    if fingerprint is not None and not fingerprint.matches(encoder):
         raise CaptionerError(
             f"{name}: it left out its {encoder.name} weights, to be rebuilt from their pretrained source, and the "
             f"{encoder.name} weights here are not those it was trained with: install the same"
@@ -81,7 +106,7 @@ class ModelFile:
     hparams: dict
     vocab: list[str]
     weights: dict[str, torch.Tensor]  # ShowAttendTell's state_dict, maybe without its encoder
-    fingerprint: str | None  # of the encoder weights it left out, if it did and says so
+    fingerprint: Fingerprint | None  # of the encoder weights it left out, if it did and says so
 
     @property
     def has_encoder(self) -> bool:
@@ -102,7 +127,7 @@ def model_file(path: str | Path, name: str | None = None) -> ModelFile:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no model weights and hyper-parameters)")
     if not vocab:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no vocabulary)")
-    return ModelFile(dict(hparams), list(vocab), weights, state.get(FINGERPRINT))
+    return ModelFile(dict(hparams), list(vocab), weights, Fingerprint.read(state))
 
 
 def model_options(hparams: dict) -> dict:
@@ -170,24 +195,21 @@ def _source_encoder(file: ModelFile) -> Encoder | None:
 def export(checkpoint: str | Path, output: str | Path, include_encoder: bool = False) -> Path:
     """Write a small self-contained model file (what `Captioner.load` reads) from a `captioner fit` checkpoint.
 
-    The encoder's weights are left out when they are its pretrained source's (`encoder_left_out`): the file is then a
-    few MB, and loading rebuilds them. `include_encoder` keeps them in any case.
+    The encoder's weights are written as the checkpoint holds them: left out where it left them out (they are their
+    pretrained source's, `encoder_left_out`: the file is then a few MB, and loading rebuilds them), or kept.
+    `include_encoder` writes them in any case: rebuilt from their pretrained source, the only time it is built here.
     """
     file = model_file(checkpoint)
     weights, fingerprint = file.weights, file.fingerprint
-    if include_encoder or file.has_encoder:
+    if include_encoder and not file.has_encoder:
         encoder = _source_encoder(file)
-        if encoder is not None:
-            weights = with_encoder(weights, encoder, fingerprint, str(checkpoint))
-            encoder.load_state_dict({k.removeprefix(ENCODER): v for k, v in weights.items() if k.startswith(ENCODER)})
-            if not include_encoder:
-                weights, fingerprint = without_encoder(weights, encoder)
-        elif not file.has_encoder:
+        if encoder is None:
             raise CaptionerError(f"{checkpoint}: its encoder's pretrained weights are not on this machine to include")
+        weights, fingerprint = with_encoder(weights, encoder, fingerprint, str(checkpoint)), None
     hparams = {k: v for k, v in file.hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
     model = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": file.vocab, "state_dict": weights}
     if fingerprint is not None and not any(k.startswith(ENCODER) for k in weights):
-        model[FINGERPRINT] = fingerprint
+        fingerprint.write(model)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(output, lambda out: torch.save(model, out))  # a kill mid-write leaves the old file whole

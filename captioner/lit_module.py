@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 
-from captioner.checkpoints import FINGERPRINT, load_initial_weights, with_encoder, without_encoder
+from captioner.checkpoints import Fingerprint, load_initial_weights, with_encoder, without_encoder
 from captioner.data.vocab import Vocabulary
 from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states, zero_loss
 from captioner.errors import ConfigError, check_choice
@@ -21,6 +21,17 @@ LR_SCHEDULES = ("plateau", "cosine", "none")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
 TEACHER_FORCING = TeacherForcing()  # the paper's loss: training's by default, and validation's and test's always
+
+
+def check_precision(precision: str) -> None:
+    """Lightning's precisions that cast the weights themselves (16-true, bf16-true, 64-true) are refused in one line:
+    the encoder's inputs and the feature cache stay float32, and Adam's updates of half-precision weights lose most of
+    their bits. Mixed precision (16-mixed, bf16-mixed) runs the same kernels under autocast on float32 weights."""
+    if precision.endswith("-true") and precision != "32-true":
+        raise ConfigError(
+            f"precision {precision} casts the weights themselves, which captioner does not train in: its inputs and "
+            "feature cache are float32; use bf16-mixed or 16-mixed (autocast on float32 weights)"
+        )
 
 
 class CaptioningModule(L.LightningModule):
@@ -112,17 +123,19 @@ class CaptioningModule(L.LightningModule):
         checkpoint["rng_states"] = gather([rng_states()])
         weights, fingerprint = without_encoder(checkpoint["state_dict"], self.model.encoder, prefix="model.")
         if fingerprint is not None:
-            checkpoint["state_dict"], checkpoint[FINGERPRINT] = weights, fingerprint
+            checkpoint["state_dict"] = weights
+            fingerprint.write(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "rng_states" in checkpoint:  # put back in on_fit_start: only a resumed fit must continue the sequence
             states = checkpoint["rng_states"]
             self._resumed_rng_states = states[self.global_rank % len(states)]
-        weights, fingerprint = checkpoint["state_dict"], checkpoint.get(FINGERPRINT)
+        weights, fingerprint = checkpoint["state_dict"], Fingerprint.read(checkpoint)
         name = str(self._trainer.ckpt_path) if self._trainer is not None and self._trainer.ckpt_path else CHECKPOINT
         checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.")
 
     def setup(self, stage: str) -> None:
+        check_precision(self.trainer.precision)  # before Lightning casts the weights
         # Before Lightning restores a checkpoint: a resumed run then gets its own weights, not init_from's. (The
         # datamodule's loaders, and so its feature cache, are made later: from these weights.)
         if stage == "fit" and self.hparams.init_from:

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from captioner.api import Captioner
-from captioner.checkpoints import FINGERPRINT, build_model, encoder_left_out, export, model_file
+from captioner.checkpoints import (
+    ANNOTATION_FINGERPRINT,
+    FINGERPRINT,
+    Fingerprint,
+    build_model,
+    encoder_left_out,
+    export,
+    load_initial_weights,
+    model_file,
+)
 from captioner.cli import run_lightning_cli
 from captioner.data.features import FeatureCache
 from captioner.data.shapes import ShapesDataset
@@ -75,7 +84,7 @@ def test_a_frozen_pretrained_run_leaves_its_encoder_out_of_checkpoints_and_expor
     checkpoint = model_file(tiny_checkpoint)
     exported = model_file(tiny_model)
     for file in (checkpoint, exported):
-        assert not file.has_encoder and file.fingerprint == lite0.fingerprint()
+        assert not file.has_encoder and file.fingerprint == Fingerprint(lite0.fingerprint())
     included = model_file(export(tiny_checkpoint, tmp_path / "full.pt", True))
     assert included.has_encoder and included.fingerprint is None
     assert all(torch.equal(v, lite0.state_dict()[k.removeprefix("encoder.")]) for k, v in included.weights.items()
@@ -88,3 +97,75 @@ def test_an_export_whose_left_out_encoder_is_not_the_one_here_is_one_line(tiny_m
     torch.save(state, tmp_path / "other.pt")
     with pytest.raises(CaptionerError, match=r"other\.pt: it left out its efficientnet_lite0 weights"):
         Captioner.load(tmp_path / "other.pt")
+
+
+def test_a_file_that_left_out_its_encoder_starts_a_model_of_another_image_size_or_grid(tiny_checkpoint, lite0):
+    """Its record is of the weights alone: 256-pixel images (an 8x8 grid) or the 14x14 grid of the same pretrained
+    weights are the weights it left out (issue #62: refused with "not those it was trained with")."""
+    from captioner.models.show_attend_tell import ShowAttendTell
+
+    file = model_file(tiny_checkpoint)
+    assert not file.has_encoder and file.fingerprint is not None
+    sizes = {k: file.hparams[k] for k in ("embed_dim", "decoder_dim", "attention_dim")}
+    for options in ({"image_size": 256}, {"grid_size": 14}):
+        model = ShowAttendTell(len(file.vocab), **sizes, **options)
+        assert model.encoder.grid_hw != (7, 7)
+        load_initial_weights(model, tiny_checkpoint, file.vocab)
+        assert all(torch.equal(v, lite0.state_dict()[k]) for k, v in model.encoder.state_dict().items())
+        decoder = {k: v for k, v in file.weights.items() if k.startswith("decoder.")}
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in decoder.items())
+
+
+def test_a_file_written_before_the_weights_record_is_checked_as_it_was_written(tiny_checkpoint, tmp_path, lite0):
+    """Older files recorded the encoder's annotation fingerprint (weights, preprocessing and grid): they load as
+    before, and one whose weights are not those here is still a one-line error."""
+    state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    del state[FINGERPRINT]
+    for value, name in ((lite0.annotation_fingerprint(), "old.ckpt"), ("0" * 64, "other.ckpt")):
+        torch.save({**state, ANNOTATION_FINGERPRINT: value}, tmp_path / name)
+    assert model_file(tmp_path / "old.ckpt").fingerprint == Fingerprint(lite0.annotation_fingerprint(), True)
+    want = [r.tokens for r in Captioner.load(tiny_checkpoint).caption(IMAGES)]
+    assert [r.tokens for r in Captioner.load(tmp_path / "old.ckpt").caption(IMAGES)] == want
+    exported = model_file(export(tmp_path / "old.ckpt", tmp_path / "old.pt"))  # an export keeps the old record
+    assert not exported.has_encoder and exported.fingerprint == Fingerprint(lite0.annotation_fingerprint(), True)
+    with pytest.raises(CaptionerError, match=r"other\.ckpt: it left out its efficientnet_lite0 weights"):
+        Captioner.load(tmp_path / "other.ckpt")
+
+
+def test_the_weights_fingerprint_takes_any_dtype_and_ignores_the_image_size(lite0):
+    """bfloat16 weights (`--trainer.precision=bf16-true`) are hashed byte for byte; numpy has no bfloat16."""
+    assert Encoder("efficientnet_lite0", image_size=256).fingerprint() == lite0.fingerprint()
+    assert Encoder("efficientnet_lite0", image_size=256).annotation_fingerprint() != lite0.annotation_fingerprint()
+    bf16 = Encoder("efficientnet_lite0").to(torch.bfloat16).fingerprint()
+    fp16 = Encoder("efficientnet_lite0").to(torch.float16).fingerprint()
+    assert len({bf16, fp16, lite0.fingerprint()}) == 3
+
+
+def test_a_frozen_encoder_is_hashed_once_per_set_of_weights(monkeypatch):
+    """Every checkpoint save asks whether the encoder can be left out; a frozen encoder's weights are hashed again
+    only once they have changed (loaded, or cast), a trainable one's at every ask."""
+    from captioner.models import encoder as module
+
+    encoder = Encoder("efficientnet_lite0")  # hashed once here: its pretrained source's fingerprint
+    digest, hashed = module._digest, []
+    monkeypatch.setattr(module, "_digest", lambda header, tensors: hashed.append(header) or digest(header, tensors))
+    assert encoder_left_out(encoder) == encoder_left_out(encoder) == encoder.source_fingerprint and not hashed
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in encoder.state_dict().items()}
+    encoder.load_state_dict(changed)
+    assert encoder_left_out(encoder) is None and encoder_left_out(encoder) is None and len(hashed) == 1
+    encoder.to(torch.float64)
+    assert encoder.fingerprint() == encoder.fingerprint() and len(hashed) == 2
+    encoder.fine_tune(1)  # trainable: an optimizer step changes its weights in place
+    encoder.fingerprint(), encoder.fingerprint()
+    assert len(hashed) == 4
+
+
+def test_export_builds_no_pretrained_encoder_for_a_file_that_holds_its_own(tiny_checkpoint, tmp_path, monkeypatch):
+    """Building one costs its weights' load (a download, for torchvision's), and a file with its encoder needs none."""
+    from captioner import checkpoints
+
+    full = export(tiny_checkpoint, tmp_path / "full.pt", include_encoder=True)  # rebuilt from the source: needed here
+    monkeypatch.setattr(checkpoints, "_source_encoder", lambda file: pytest.fail("a pretrained encoder was built"))
+    again = model_file(export(full, tmp_path / "again.pt"))
+    assert again.has_encoder and again.fingerprint is None
+    assert all(torch.equal(v, model_file(full).weights[k]) for k, v in again.weights.items())

@@ -10,6 +10,7 @@ import yaml
 from PIL import Image
 
 from captioner.api import Captioner
+from captioner.checkpoints import FINGERPRINT
 from captioner.cli import main, run_lightning_cli
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import CaptionerError
@@ -44,7 +45,7 @@ def test_fit_writes_a_checkpoint_that_carries_its_vocabulary_and_runs_the_demo(t
     vocab = state["hyper_parameters"]["vocab"]
     assert vocab[:4] == ["<pad>", "<start>", "<end>", "<unk>"] and "circle" in vocab
     # The frozen pretrained encoder is left out, to be rebuilt bit for bit: its fingerprint says which weights it was
-    assert not any(key.startswith("model.encoder.") for key in state["state_dict"]) and state["encoder_fingerprint"]
+    assert not any(key.startswith("model.encoder.") for key in state["state_dict"]) and state[FINGERPRINT]
     capfd.readouterr()
     main(["demo", "--ckpt_path", str(checkpoint), "--samples", "2", "--overlays", str(tmp_path / "overlays")])
     lines = capfd.readouterr().out.strip().splitlines()
@@ -115,7 +116,7 @@ def test_an_overlays_folder_that_cannot_be_made_is_one_line(command, tmp_path, c
 
 def test_a_checkpoint_whose_encoder_cannot_be_rebuilt_the_same_is_one_line(tiny_checkpoint, tmp_path, capfd):
     state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
-    state["encoder_fingerprint"] = "0" * 64  # as if trained with other pretrained weights than those installed here
+    state[FINGERPRINT] = "0" * 64  # as if trained with other pretrained weights than those installed here
     torch.save(state, tmp_path / "other.ckpt")
     ran = run_main(capfd, "demo", "--ckpt_path", str(tmp_path / "other.ckpt"))
     assert ran.status == 2 and "Traceback" not in ran.err

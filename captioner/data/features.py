@@ -102,7 +102,7 @@ class FeatureCache:
 
     def __init__(self, root: str | Path, encoder: Encoder, source: ImageSource):
         self.encoder, self.source = encoder, source
-        key = hashlib.sha256(f"{encoder.fingerprint()}|{source.identity}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{encoder.annotation_fingerprint()}|{source.identity}".encode()).hexdigest()[:16]
         self.dir = Path(root) / f"{source.identity}-{encoder.name}-{key}"
         self.path = self.dir / "annotations.npy"
         self.meta = self.dir / "meta.json"

@@ -214,6 +214,20 @@ def fold_batchnorm(module: nn.Module) -> int:
     return count
 
 
+def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of `header`, then of each tensor's name and bytes, in name order (any dtype, bfloat16 included)."""
+    digest = hashlib.sha256(header.encode())
+    for name, tensor in sorted(tensors.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _forget_fingerprint(encoder: Encoder, incompatible_keys) -> None:
+    """After load_state_dict: the weights may have changed in place."""
+    encoder._fingerprint = None
+
+
 class Encoder(nn.Module):
     """Backbone -> annotation vectors (B, P, E), frozen by default (as in the paper).
 
@@ -255,18 +269,29 @@ class Encoder(nn.Module):
         self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
         self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()
         self.fine_tune(0)
+        self._fingerprint: tuple[tuple, str] | None = None  # (the weights' storage when hashed, their hash)
+        self.register_load_state_dict_post_hook(_forget_fingerprint)
         # The weights as their pretrained source gives them: a model file may leave out weights equal to these, which
         # loading rebuilds (captioner.checkpoints). None when built without them.
         self.source_fingerprint = self.fingerprint() if pretrained else None
 
     def fingerprint(self) -> str:
-        """A hash of the encoder's name, preprocessing, grid and every weight and buffer: what its annotations of an
-        image depend on."""
-        digest = hashlib.sha256(f"{self.name}|{self.preprocessing}|{self.grid_hw}".encode())
-        for name, tensor in sorted(self.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        """A hash of the encoder's name and of every weight and buffer, byte for byte: which weights these are, whatever
+        the image size or the grid they are used with. A model file that leaves them out records it.
+
+        Every checkpoint save asks for it (240 MB to hash for ResNet-152), so a frozen encoder's is kept until its
+        weights change: loaded (load_state_dict), or moved or cast to new storage. Training changes only an unfrozen
+        encoder's, which is hashed at every call."""
+        weights = self.state_dict()
+        storage = tuple((name, t.data_ptr(), t.dtype, t.device) for name, t in weights.items())
+        if not self.frozen or self._fingerprint is None or self._fingerprint[0] != storage:
+            self._fingerprint = (storage, _digest(self.name, weights))
+        return self._fingerprint[1]
+
+    def annotation_fingerprint(self) -> str:
+        """A hash of what the annotations of an image depend on: the weights, the preprocessing and the grid. The
+        feature cache's key (and what model files recorded as their encoder's identity before `fingerprint`)."""
+        return _digest(f"{self.name}|{self.preprocessing}|{self.grid_hw}", self.state_dict())
 
     @property
     def num_pixels(self) -> int:
