@@ -20,7 +20,6 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -54,17 +53,14 @@ class BoundedBodies:
     or one that stalls, costs at most the limit's bytes and `timeout` seconds; a declared Content-Length over the
     limit is refused before anything is read."""
 
-    def __init__(self, app, max_upload_mb: float, timeout: float, heads: set | None = None):
+    def __init__(self, app, max_upload_mb: float, timeout: float):
         self.app, self.timeout = app, timeout
         self.limit = int(max_upload_mb * 2**20) + MULTIPART_SLACK
         self.over = f"over the {max_upload_mb:g} MB limit"
-        self.heads = heads if heads is not None else set()  # the clients whose request head arrived (`HeadDeadline`)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope.get("client"):
-            self.heads.add(tuple(scope["client"]))
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"").decode("latin-1")
         if declared.isdigit() and int(declared) > self.limit:
@@ -132,24 +128,21 @@ class HeadDeadline(H11Protocol):
     opened. No uvicorn setting does this: its keep-alive timer starts after a response, and the first byte of the next
     request stops it, so a client that sends half a head, or nothing, would hold its connection for ever.
 
-    It overrides asyncio.Protocol's `connection_made` alone and uses only the transport's documented methods; which
-    heads arrived, `BoundedBodies` says (the ASGI scope's client). Every response closes its connection
-    (`Connection: close`), so a connection carries one request and one head. The number of connections is uvicorn's
-    own setting (`limit_concurrency`). Tested with the uvicorn versions pyproject.toml allows.
+    It overrides asyncio.Protocol's `connection_made` alone and uses only the transport's documented methods. Whether
+    the head arrived is this connection's own state: uvicorn starts its request's cycle (`cycle`) when it has parsed
+    the head. (Not the ASGI scope's client address: behind a reverse proxy, uvicorn puts the forwarded address there.)
+    Every response closes its connection (`Connection: close`), so a connection carries one request and one head.
+    The number of connections is uvicorn's own setting (`limit_concurrency`). Tested with the uvicorn versions
+    pyproject.toml allows.
     """
 
     timeout = 30.0
-    heads: ClassVar[set] = set()  # one per server (`serve`): the clients whose head arrived, said by BoundedBodies
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        client = tuple(peer[:2]) if isinstance(peer, (tuple, list)) else peer  # (host, port), as the ASGI scope says
 
         def expire() -> None:
-            if client in self.heads:
-                self.heads.discard(client)
-            elif not transport.is_closing():
+            if self.cycle is None and not transport.is_closing():  # no request head yet
                 transport.close()
 
         asyncio.get_running_loop().call_later(self.timeout, expire)
@@ -230,8 +223,7 @@ def create_app(
     examples = example_images()
     # No /docs, /redoc or /openapi.json: their pages load scripts from a CDN, and the API is the one route below.
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.heads = set()  # the clients whose request head arrived, for `HeadDeadline`
-    app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout, heads=app.state.heads)
+    app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout)
 
     def error(message: str, status: int = 400) -> JSONResponse:
         # The connection is closed after an error: what is left of the body, if any, is not read.
@@ -317,6 +309,6 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")
     print(f"captioner serve: {checkpoint} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
-    protocol = type("HeadDeadline", (HeadDeadline,), {"timeout": timeout, "heads": app.state.heads})
+    protocol = type("HeadDeadline", (HeadDeadline,), {"timeout": timeout})
     # A connection opened while `max_connections` others are open gets uvicorn's 503.
     uvicorn.run(app, host=host, port=port, log_level="info", http=protocol, limit_concurrency=max_connections + 1)
