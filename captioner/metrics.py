@@ -49,10 +49,14 @@ def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, s
 def decode_batch(batch: dict, generation, vocab: Vocabulary, grid_hw: tuple[int, int]) -> list[Decoded]:
     """A validation or test batch's captions (`generation`, a `Generation`) read as `Decoded`: each image's words,
     its references and, for a dataset with object boxes, its attention scores."""
-    alphas, decoded = generation.alphas.float().cpu(), []  # one copy from the device for the batch
+    # One copy of the attention weights from the device for the batch, and none for a dataset without boxes (COCO,
+    # Flickr, UCM), where nothing reads them.
+    boxed = any(objects is not None for objects in batch["objects"])
+    alphas, decoded = generation.alphas.float().cpu() if boxed else None, []
     for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
         words = vocab.decode_tokens(tokens)
-        where = attention_scores(words, alphas[i], grid_hw, batch["objects"][i], batch["canvas"][i])
+        image_alphas = None if alphas is None else alphas[i]
+        where = attention_scores(words, image_alphas, grid_hw, batch["objects"][i], batch["canvas"][i])
         decoded.append(Decoded(index, words, batch["references"][i], *where))
     return decoded
 

@@ -45,3 +45,26 @@ def test_how_peaked_attention_is_is_a_word_s_share_in_its_strongest_tenth_of_the
     two[:40] = 1 / 40  # 20 of its 40 cells are the strongest tenth of 196
     assert attention_peaks(torch.stack([uniform, spot])) == pytest.approx([5 / 49, 1.0])
     assert attention_peaks(two.unsqueeze(0)) == pytest.approx([0.5]) and attention_peaks(torch.zeros(0, 49)) == []
+
+
+def test_a_batch_without_object_boxes_leaves_the_attention_weights_on_the_device():
+    """Validation scores attention only on datasets with object boxes (shapes): for the others (COCO, Flickr, UCM)
+    it copies no attention weights from the device."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from captioner.data.vocab import Vocabulary
+    from captioner.metrics import decode_batch
+
+    class OnTheDevice:
+        def __getattr__(self, name: str):
+            raise AssertionError(f"alphas.{name}: the attention weights were read")
+
+    vocab = Vocabulary(["a", "red", "circle"])
+    generation = SimpleNamespace(tokens=torch.tensor([[4, 5, 6, 2], [4, 6, 2, 0]]), alphas=OnTheDevice())
+    batch = {"index": torch.tensor([3, 7]), "objects": [None, None], "canvas": [None, None]}
+    batch["references"] = [[["a", "red", "circle"]], [["a", "circle"]]]
+    decoded = decode_batch(batch, generation, vocab, (7, 7))
+    assert [d.index for d in decoded] == [3, 7] and all(d.masses == [] for d in decoded)
+    assert [d.words for d in decoded] == [["a", "red", "circle"], ["a", "circle"]]
