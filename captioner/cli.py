@@ -29,10 +29,6 @@ from captioner.errors import CaptionerError, ConfigError
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
 
-LENGTH_PENALTY = 1.0  # captioner.models.decoding.LENGTH_PENALTY, which imports torch
-LENGTH_PENALTY_HELP = (
-    "beam search ranks captions by log-probability / length**this (0: the raw sum, which favours short ones)"
-)
 BUNDLED_NOTE = (
     "note: no --ckpt_path given: captioning with the bundled model, which was trained on synthetic shapes only and "
     "describes coloured shapes, not photos"
@@ -67,10 +63,22 @@ def _add_checkpoint(parser: argparse.ArgumentParser, help: str, bundled: bool = 
 
 
 def _add_decoding(parser: argparse.ArgumentParser) -> None:
-    """The search's options, as `caption` and `evaluate` share them."""
+    """The search's options, as `caption` and `evaluate` share them (`_decoding`)."""
     parser.add_argument("--beam-size", type=int, default=3, help="hypotheses kept per image (1: greedy)")
-    parser.add_argument("--length-penalty", type=float, default=LENGTH_PENALTY, help=LENGTH_PENALTY_HELP)
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        help="beam search ranks captions by log-probability / length**this (default: the library's, per word; 0: "
+        "the raw sum, which favours short ones)",
+    )
     parser.add_argument("--max-len", type=int, default=30, help="longest caption, in words")
+
+
+def _decoding(args: argparse.Namespace) -> dict:
+    """The search's options as `generate` and `Captioner.iter_captions` take them: the length penalty only if given,
+    so that its default is the library's own (captioner.models.decoding.LENGTH_PENALTY, which imports torch)."""
+    options = {"beam_size": args.beam_size, "max_len": args.max_len}
+    return options if args.length_penalty is None else {**options, "length_penalty": args.length_penalty}
 
 
 def _bundled_unless_given(checkpoint: str | None) -> str:
@@ -202,7 +210,7 @@ def caption(argv: list[str]) -> int:
     for error in errors:
         say(f"error: {error}", sys.stderr)
     failed = len(errors)
-    results = captioner.iter_captions(paths, args.beam_size, args.batch_size, args.max_len, args.length_penalty)
+    results = captioner.iter_captions(paths, batch_size=args.batch_size, **_decoding(args))
     for index, result in enumerate(results):
         progress.update()
         if isinstance(result, ImageError):
@@ -291,9 +299,7 @@ def evaluate(argv: list[str]) -> None:
         if not batch:  # no readable image in the batch (each was reported)
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
-        generation = module.model.generate(
-            **inputs, beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty
-        )
+        generation = module.model.generate(**inputs, **_decoding(args))
         generation.alphas = generation.alphas.cpu()  # one copy from the device: decode_batch and the peaks read it
         decoded = decode_batch(batch, generation, module.vocab, module.model.encoder.grid_hw)
         for image, alphas in zip(decoded, generation.alphas, strict=True):

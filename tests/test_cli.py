@@ -185,11 +185,17 @@ def test_every_option_is_described_with_its_default_and_the_checkpoint_is_spelle
         assert default in text, (command, default)
 
 
-def test_the_command_line_s_length_penalty_is_the_library_s():
-    from captioner import cli
-    from captioner.models import decoding
+def test_the_command_line_passes_a_length_penalty_only_when_given():
+    """Its default is defined once, in captioner.models.decoding, which `captioner --help` does not import."""
+    import argparse
 
-    assert cli.LENGTH_PENALTY == decoding.LENGTH_PENALTY  # kept apart so that `captioner --help` imports no torch
+    from captioner import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_decoding(parser)  # caption's and evaluate's search options, handed on by cli._decoding
+    assert cli._decoding(parser.parse_args([])) == {"beam_size": 3, "max_len": 30}
+    assert cli._decoding(parser.parse_args(["--length-penalty", "0"])) == {"beam_size": 3, "max_len": 30,
+                                                                           "length_penalty": 0.0}  # fmt: skip
 
 
 def test_the_bundled_model_says_what_it_is_when_no_checkpoint_is_given(tmp_path, capsys):

@@ -8,6 +8,7 @@ import torch
 from captioner import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.models.decoder import COMPILED_METHODS
+from tests.helpers import logged
 
 
 @pytest.mark.slow  # about 45 s, most of it compiling
@@ -28,15 +29,6 @@ def test_a_compiled_decoder_captions_as_the_eager_one(tiny_model):
 
 
 # The compiled training step (`--model.compile`, issue #45): on by default on CUDA; here forced on the CPU.
-
-
-def logged(root, epoch: int | None = None) -> dict[str, float]:
-    """The metrics a fit under `root` logged: each one's last value (of `epoch`, if given)."""
-    import csv
-
-    with next((root / "logs").rglob("metrics.csv")).open() as file:
-        rows = [row for row in csv.DictReader(file) if epoch is None or row["epoch"] == str(epoch)]
-    return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
 
 
 @pytest.mark.slow  # 40 s with aot_eager; the default run's share of this is the next test and tests/models

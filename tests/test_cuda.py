@@ -10,7 +10,7 @@ import torch
 
 from captioner.cli import run_lightning_cli
 from tests.conftest import tiny_fit_args
-from tests.test_compile import logged
+from tests.helpers import logged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

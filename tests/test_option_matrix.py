@@ -16,7 +16,6 @@ Inductor's code generation, which takes minutes per graph on 2 cores; tests/test
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
@@ -33,6 +32,7 @@ from captioner.api import Captioner
 from captioner.cli import run_lightning_cli
 from captioner.data.shapes import ShapesDataset
 from tests.conftest import REPO, Ran, run_main, tiny_fit_args
+from tests.helpers import logged, metrics_csvs
 
 FACTORS: dict[str, tuple] = {
     "attention": ("soft", "hard"),
@@ -185,18 +185,6 @@ def starts(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return Lazy()
 
 
-def runs(root: Path) -> list[list[dict[str, str]]]:
-    """The rows of each CSV that the commands run under `root` wrote (each command writes one), oldest first."""
-    paths = sorted((root / "logs").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime_ns)
-    return [list(csv.DictReader(path.read_text().splitlines())) for path in paths]
-
-
-def logged(root: Path) -> dict[str, float]:
-    """Every metric the commands run under `root` logged: its last value."""
-    rows = [row for run in runs(root) for row in run]
-    return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
-
-
 @pytest.mark.parametrize("row", PARAMS)
 def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_resumes(row, starts, tmp_path, capfd):
     def run(*args: str) -> Ran:  # fit, test and predict run in as many processes as the row's devices
@@ -231,7 +219,7 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     ok(run("fit", *args, "--trainer.max_epochs=2", "--ckpt_path=last"))
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["epoch"] == 1 and all(math.isfinite(value) for value in logged(tmp_path).values())
-    resumed = runs(tmp_path)[-1]  # it went on from last.ckpt: the first epoch was not trained again
+    resumed = metrics_csvs(tmp_path)[-1]  # it went on from last.ckpt: the first epoch was not trained again
     assert {int(r["epoch"]) for r in resumed} == {1} and any(r.get("train/loss_epoch") for r in resumed), resumed
 
 

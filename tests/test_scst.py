@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from captioner.models.decoding import sample_captions
 from captioner.objectives import SelfCritical, self_critical_loss
-from tests.models.test_decoding import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
+from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
 
 
 def test_the_loss_of_fixed_samples_and_rewards_and_its_gradient_by_hand():

@@ -4,41 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.decoder import AttentionDecoder
 from captioner.models.decoding import beam_search, greedy_search
-
-PAD, START, END, A, B, C = range(6)
-SPECIAL = {"start_index": START, "end_index": END, "pad_index": PAD}
-
-
-class TableDecoder:
-    """Next-word probabilities depend only on the previous word, read from a (V,V) table of probabilities."""
-
-    def __init__(self, probs: dict[int, dict[int, float]], vocab_size: int = 6):
-        self.logits = torch.full((vocab_size, vocab_size), -1e4)
-        for prev, row in probs.items():
-            for word, p in row.items():
-                self.logits[prev, word] = math.log(p)
-
-    def prepare(self, annotations):
-        return annotations
-
-    def init_state(self, annotations):
-        zeros = annotations.new_zeros(annotations.size(0), 1)
-        return zeros, zeros
-
-    def step(self, tokens, state, annotations, keys):
-        context, alpha = self.attend(state[0], annotations, keys)
-        logits, state = self.update(tokens, context, state)
-        return logits, state, alpha
-
-    def attend(self, h, annotations, keys):
-        N, P = h.size(0), annotations.size(1)
-        return annotations.new_zeros(N, 1), annotations.new_full((N, P), 1.0 / P)
-
-    def update(self, tokens, context, state):
-        return self.logits[tokens], state
-
+from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
 
 # Greedy takes A (0.55) and then can only end with 0.34: p = 0.187.
 # Starting with B (0.45) ends with 0.9: p = 0.405, which a beam of 2 finds.
@@ -62,11 +29,6 @@ def test_no_hypothesis_ends_returns_the_best_unfinished_one(beam_size):
     assert generation.tokens.tolist() == [[A] * 5, [A] * 5]
     assert generation.lengths.tolist() == [5, 5]
     assert generation.alphas.shape == (2, 5, 4)
-
-
-def random_decoder() -> AttentionDecoder:
-    torch.manual_seed(0)
-    return AttentionDecoder(30, 16, 9, embed_dim=8, decoder_dim=12, attention_dim=10, dropout=0.0).eval()
 
 
 # A weak model: every word is a gamble. Greedy search writes A B C and ends, p = 0.5 * 0.4 * 0.5 * 0.6 = 0.06, about

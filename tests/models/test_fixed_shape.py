@@ -5,23 +5,7 @@ import pytest
 import torch
 
 from captioner.models.show_attend_tell import ShowAttendTell, bucket_steps, pad_to_bucket
-
-V = 20
-
-
-def model(**options) -> ShowAttendTell:
-    options = {"embed_dim": 8, "decoder_dim": 12, "attention_dim": 10, "dropout": 0.0} | options
-    return ShowAttendTell(V, pretrained=False, **options)
-
-
-def batch(m: ShowAttendTell, lengths=(5, 7, 3, 10, 2)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Annotations, captions (B,T) padded to the longest, lengths: captions end at different steps, not sorted."""
-    lengths = torch.tensor(lengths)
-    captions = torch.randint(4, V, (len(lengths), int(lengths.max())))
-    for i, n in enumerate(lengths):
-        captions[i, 0], captions[i, n - 1], captions[i, n:] = 1, 2, 0
-    a = torch.randn(len(lengths), m.encoder.num_pixels, m.encoder.out_dim).relu()
-    return a, captions, lengths
+from tests.helpers import caption_batch, small_model
 
 
 def loss_and_gradients(m: ShowAttendTell, fixed: bool, *args, **kwargs):
@@ -64,17 +48,17 @@ def test_padding_to_a_bucket_reads_only_the_shape():
     ],
 )
 def test_soft_attention_fixed_shape_gives_the_shrinking_loss_and_gradients(options):
-    m = model(**options).train()
-    a, captions, lengths = batch(m)
+    m = small_model(**options).train()
+    a, captions, lengths = caption_batch(m)
     shrinking = loss_and_gradients(m, False, a, captions, lengths)
     fixed = loss_and_gradients(m, True, a, pad_to_bucket(captions, 0), lengths)  # padded steps too
     assert_same(shrinking, fixed)
 
 
 def test_hard_attention_fixed_shape_gives_the_same_loss_and_gradients_for_the_same_locations():
-    m = model(attention_mode="hard", position_embedding=True).train()
+    m = small_model(attention_mode="hard", position_embedding=True).train()
     m.reward_baseline.fill_(-3.0)
-    a, captions, lengths = batch(m)
+    a, captions, lengths = caption_batch(m)
     P = m.encoder.num_pixels
     locations = torch.randint(0, P, (captions.size(0), captions.size(1) - 1))  # (B,T-1): the same draws for both
     shrinking = loss_and_gradients(m, False, a, captions, lengths, sample=True, locations=locations)
@@ -89,8 +73,8 @@ def test_hard_attention_fixed_shape_gives_the_same_loss_and_gradients_for_the_sa
 
 
 def test_the_forward_pads_to_the_bucket_and_gives_the_same_loss():
-    m = model().train()
-    a, captions, lengths = batch(m)
+    m = small_model().train()
+    a, captions, lengths = caption_batch(m)
     shrinking = m(captions, lengths, annotations=a)
     m.fixed_shape = True
     fixed = m(captions, lengths, annotations=a)
@@ -112,8 +96,8 @@ def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
     It does not rule out every op that makes a CUDA host wait (a data-sized op can stay in the graph):
     tests/models/test_host_syncs.py does. How the graph replays as CUDA graphs only a GPU shows (tests/test_cuda.py)."""
     torch.compiler.reset()
-    m = model(attention_mode=mode).train()
-    a, captions, lengths = batch(m, lengths=(5, 3, 6, 2))  # 8 steps: the loop is unrolled, so short is quick
+    m = small_model(attention_mode=mode).train()
+    a, captions, lengths = caption_batch(m, lengths=(5, 3, 6, 2))  # 8 steps: the loop is unrolled, so short is quick
     m.compile_step(fullgraph=True, dynamic=False, backend=backend)
     padded = pad_to_bucket(captions, 0)
     sample = mode == "hard"
@@ -140,8 +124,8 @@ def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
 def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
     """The check above can fail: the shrinking batch's own step (int(tensor), boolean masks) breaks the graph."""
     torch.compiler.reset()
-    m = model().train()
-    a, captions, lengths = batch(m)
+    m = small_model().train()
+    a, captions, lengths = caption_batch(m)
     m.compile_step(fullgraph=True, dynamic=False, backend="aot_eager")
     m.fixed_shape = True
     forward = m.decoder.forward

@@ -7,9 +7,8 @@ import torch
 
 from captioner.models.decoding import CHECK_EVERY, beam_search, greedy_search
 from captioner.models.show_attend_tell import pad_to_bucket
+from tests.helpers import END, SPECIAL, TableDecoder, caption_batch, small_model
 from tests.host_syncs import HostSyncs
-from tests.models.test_decoding import END, SPECIAL, TableDecoder
-from tests.models.test_fixed_shape import batch, model
 
 READ = "reads a value to the host (.item(), bool(), int(), float(), if t:)"
 
@@ -33,16 +32,16 @@ def fixed_step(m, a, captions, lengths) -> list[tuple[str, str]]:
     ids=["soft", "hard", "channel-gate-position", "general"],
 )
 def test_the_fixed_shape_step_makes_the_host_wait_nowhere(options):
-    m = model(**options).train()
+    m = small_model(**options).train()
     m.fixed_shape = True
-    assert fixed_step(m, *batch(m)) == []
+    assert fixed_step(m, *caption_batch(m)) == []
 
 
 def test_the_shrinking_step_is_seen_to_wait_at_every_word():
     """The CPU's path reads each step's batch size to the host, and gathers the real words by a mask: the check sees
     both."""
-    m = model().train()
-    a, captions, lengths = batch(m)
+    m = small_model().train()
+    a, captions, lengths = caption_batch(m)
     seen = fixed_step(m, a, captions, lengths)
     kinds = [what for what, _ in seen]
     assert kinds.count(READ) >= captions.size(1) - 1 and "indexing with a boolean mask" in kinds
@@ -58,11 +57,11 @@ def test_the_shrinking_step_is_seen_to_wait_at_every_word():
     ],
 )
 def test_a_sync_put_in_the_step_on_purpose_is_seen(plant, monkeypatch):
-    m = model().train()
+    m = small_model().train()
     m.fixed_shape = True
     recur = m.decoder.recur
     monkeypatch.setattr(m.decoder, "recur", lambda tokens, z, state: (plant(state[0]), recur(tokens, z, state))[1])
-    seen = fixed_step(m, *batch(m))
+    seen = fixed_step(m, *caption_batch(m))
     assert seen and all(where.startswith("test_host_syncs.py") or "decoder.py" in where for _, where in seen), seen
 
 
@@ -70,7 +69,7 @@ def test_a_sync_put_in_the_step_on_purpose_is_seen(plant, monkeypatch):
 @pytest.mark.parametrize("max_len", [5, 8, 12, 16, 30])  # 8, 16: no check after the last word
 def test_sync_free_search_waits_once_every_check_every_words_and_once_at_the_end(beam_size, max_len):
     torch.manual_seed(0)
-    m = model().eval()
+    m = small_model().eval()
     with torch.no_grad():
         m.decoder.L_o.bias[END] = -1e4  # no caption ends: the search runs to max_len
     a = torch.randn(3, m.encoder.num_pixels, m.encoder.out_dim).relu()
