@@ -61,11 +61,12 @@ class CaptioningModule(L.LightningModule):
         scst_baseline: "others", the mean reward of the image's other K-1 captions (Luo 2020), or "greedy", the reward
             of its greedy caption (Rennie et al. 2017).
         compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
-            batch runs the batch's steps (padding masked), nothing syncs with the host, and the loss (forward and
-            backward) is compiled, with CUDA graphs on CUDA unless gradients are accumulated (`compile_options`). Off:
-            the shrinking batch, fastest on a CPU. Both compute the same loss and gradients for the same random draws,
-            but draw dropout's masks (and hard attention's locations) differently: their runs agree to rounding only
-            with dropout 0 and soft attention (README, "Speed").
+            batch runs the batch's steps (padding masked), nothing in training_step or the backward pass syncs with
+            the host (the one read, once per optimizer step, is the finite-loss check: `FiniteLosses`), and the loss
+            (forward and backward) is compiled, with CUDA graphs on CUDA unless gradients are accumulated
+            (`compile_options`). Off: the shrinking batch, fastest on a CPU. Both compute the same loss and gradients
+            for the same random draws, but draw dropout's masks (and hard attention's locations) differently: their
+            runs agree to rounding only with dropout 0 and soft attention (README, "Speed").
         compile_backend: torch.compile's backend for the compiled step (None: its default, Inductor, which needs a C++
             compiler on a CPU). "aot_eager" traces forward and backward without generating code: a quick check that
             a model compiles.

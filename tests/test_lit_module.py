@@ -113,3 +113,20 @@ def test_the_plateau_schedule_steps_once_per_validation_of_a_fit_on_its_metric(t
     assert len(scores) == 3 and any(scheduler.best == pytest.approx(score) for score in scores)
     cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     assert scheduler.last_epoch == 3
+
+
+def test_the_compiled_step_s_training_step_waits_for_the_host_only_at_the_finite_loss_check():
+    """What the docs claim of the fixed-shape (compiled) step in Lightning's loop: training_step and the backward pass
+    queue their work without reading a value to the host; once per optimizer step, `FiniteLosses` reads the summed
+    loss, before the optimizer would write a non-finite one into the weights."""
+    from tests.host_syncs import READS, HostSyncs
+
+    model = module()
+    model.model.fixed_shape = True
+    for accumulated in range(2):  # two batches of gradients accumulated: one check, at the optimizer step
+        with HostSyncs() as syncs:
+            model.training_step(batch(model), accumulated).backward()
+        assert syncs.seen == []
+    with HostSyncs() as syncs:
+        model.on_before_optimizer_step(None)
+    assert [what for what, _ in syncs.seen] == list(READS.values())
