@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,7 +120,24 @@ def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
                 save_config_kwargs={"overwrite": True},
             )
     except ArgumentError as err:  # a mistake on the command line or in the config
-        raise ConfigError(str(err)) from None
+        raise ConfigError(_one_line(str(err))) from None
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's error, which gives its reason on the lines after 'Parser key "K":', as one line: its innermost
+    'Expected a T. Got value: V' (or a union's subtypes and given value) said as 'K: expected T, got V', or else its
+    lines joined."""
+    found = re.findall(r'Parser key "([^"]+)":\s+Expected a (.+?)\. Got value: (.+)', message)
+    subtypes = r'Parser key "([^"]+)":\s+Does not validate .*?Subtypes: \[([^\n]*)\].*Given value: (.+)'
+    union = re.search(subtypes, message, re.S)
+    if found:
+        key, expected, value = found[-1]
+    elif union:
+        key, expected, value = union.group(1), f"one of {union.group(2)}", union.group(3)
+    else:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    expected = re.sub(r"<class '(\w+)'>", r"\1", expected).replace("typing.", "")
+    return f"{key}: expected {expected}, got {value.strip()}"
 
 
 def _overlay_folder(path: str | None) -> Path | None:

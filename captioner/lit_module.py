@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -14,12 +16,15 @@ from captioner.errors import ConfigError, check_choice
 from captioner.metrics import Decoded, decode_batch, split_scores
 from captioner.models.decoding import Generation
 from captioner.models.show_attend_tell import ShowAttendTell, compile_options
-from captioner.objectives import SelfCritical, TeacherForcing, check_options
+from captioner.objectives import Baseline, Objective, SelfCritical, TeacherForcing, check_options
 
 CHECKPOINT = "the checkpoint"  # how a checkpoint loaded without a Trainer is named in errors (its path is not known)
-LR_SCHEDULES = ("plateau", "cosine", "none")
-COMPILE_CHOICES = ("auto", "true", "false")
-LR_MONITORS = ("val/bleu4", "val/cider")  # what the plateau schedule can watch: computed at each validation's end
+# Options with a fixed set of values are typed with it: LightningCLI refuses others and lists these in --help; the
+# checks in __init__ are for the Python API, which no type enforces.
+LRSchedule = Literal["plateau", "cosine", "none"]
+LRMonitor = Literal["val/bleu4", "val/cider"]  # what the plateau schedule can watch: computed at each validation's end
+LR_SCHEDULES, LR_MONITORS = get_args(LRSchedule), get_args(LRMonitor)
+COMPILE_CHOICES = ("auto", "true", "false")  # the command line gives true and false as booleans
 TEACHER_FORCING = TeacherForcing()  # the paper's loss: training's by default, and validation's and test's always
 
 
@@ -80,17 +85,17 @@ class CaptioningModule(L.LightningModule):
         encoder_lr: float = 1e-4,
         decoder_lr: float = 4e-4,
         weight_decay: float = 0.0,
-        lr_schedule: str = "plateau",
-        lr_monitor: str = "val/bleu4",
+        lr_schedule: LRSchedule = "plateau",
+        lr_monitor: LRMonitor = "val/bleu4",
         lr_factor: float = 0.5,
         lr_patience: int = 2,
         max_caption_len: int = 30,
         beam_size: int = 3,
-        objective: str = "xe",
+        objective: Objective = "xe",
         init_from: str | None = None,
         scst_samples: int = 5,
-        scst_baseline: str = "others",
-        compile: bool | str = "auto",
+        scst_baseline: Baseline = "others",
+        compile: bool | Literal["auto"] = "auto",
         compile_backend: str | None = None,
         **model_options,
     ):
@@ -99,7 +104,6 @@ class CaptioningModule(L.LightningModule):
             raise ConfigError(f"learning rates must be positive, got encoder_lr={encoder_lr}, decoder_lr={decoder_lr}")
         check_choice("lr_schedule", lr_schedule, LR_SCHEDULES)
         check_choice("lr_monitor", lr_monitor, LR_MONITORS)
-        check_options(objective, scst_samples, scst_baseline, model_options.get("attention_mode", "soft"))
         if str(compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile must be auto, true or false, got {compile!r}")
         self.save_hyperparameters()
@@ -111,6 +115,7 @@ class CaptioningModule(L.LightningModule):
             end_index=Vocabulary.end_index,
             **model_options,
         )
+        check_options(objective, scst_samples, scst_baseline, self.model.attention_mode)
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._decoded: list[Decoded] = []  # this validation's or test's captions so far
         self._resumed_rng_states: dict | None = None

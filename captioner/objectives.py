@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 
@@ -22,8 +23,9 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError, check_choice
 from captioner.models.show_attend_tell import ShowAttendTell
 
-OBJECTIVES = ("xe", "scst")
-BASELINES = ("others", "greedy")
+Objective = Literal["xe", "scst"]  # a type: LightningCLI refuses other values and lists these in --help
+Baseline = Literal["others", "greedy"]
+OBJECTIVES, BASELINES = get_args(Objective), get_args(Baseline)
 Logged = dict[str, torch.Tensor]  # name (logged under train/) -> value
 
 

@@ -93,6 +93,11 @@ def test_a_mistake_ends_the_process_with_status_2_and_one_line():
         (["fit", "--config", "configs/nope.yaml"], "configs/nope.yaml: config file not found"),
         (["fit", "--config", "configs/debug.yaml", "--model.backbone=vgg99"], "unknown backbone 'vgg99'"),
         (["fit", "--config", "configs/debug.yaml", "--model.alpha_c=-1"], "alpha_c (lambda) must be >= 0, got -1"),
+        (["fit", "--config", "configs/debug.yaml", "--model.embed_dim=abc"], "model.embed_dim: expected int, got abc"),
+        (
+            ["fit", "--config", "configs/debug.yaml", "--model.attention_mode=sideways"],
+            "model.attention_mode: expected Literal['soft', 'hard'], got sideways",  # refused as it is parsed
+        ),
         (["demo", "--checkpoint", "missing.ckpt"], "missing.ckpt: checkpoint not found"),
         (["demo", "--checkpoint", "missing.ckpt", "--samples", "-1"], "--samples must be >= 0, got -1"),
     ],
@@ -160,6 +165,23 @@ def test_the_command_alone_or_with_help_lists_every_subcommand_without_importing
     assert listed == ["fit", "validate", "test", "predict", "caption", "evaluate", "export", "serve", "demo"]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert "captioner.errors" in imported and not imported & {"torch", "lightning", "jsonargparse", "PIL"}
+
+
+def test_fit_s_help_lists_the_values_of_every_option_that_has_a_fixed_set(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    listed = set(re.findall(r"^  (--\S+) \{([^}]*)\}", capsys.readouterr().out, re.M))
+    assert listed >= {
+        ("--model.lr_schedule", "plateau,cosine,none"),
+        ("--model.lr_monitor", "val/bleu4,val/cider"),
+        ("--model.objective", "xe,scst"),
+        ("--model.scst_baseline", "others,greedy"),
+        ("--model.attention_mode", "soft,hard"),
+        ("--model.feature_stride", "32,16"),
+        ("--model.attention", "additive,dot,general"),
+        ("--model.gate", "scalar,channel,none"),
+    }
 
 
 @pytest.mark.parametrize("command", ["caption", "evaluate", "export", "serve", "demo"])

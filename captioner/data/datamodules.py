@@ -6,7 +6,7 @@ import logging
 import random
 import zlib
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import lightning as L
 import numpy as np
@@ -147,7 +147,7 @@ class CaptionDataModule(L.LightningDataModule):
         batch_size: int = 64,
         num_workers: int = 2,
         feature_cache: bool = True,
-        train_captions: str = "all",
+        train_captions: Literal["all", "random"] = "all",
         min_word_count: int = 1,
         max_vocab_size: int = 10000,
         augment: bool = False,
@@ -360,7 +360,7 @@ class CocoDataModule(CaptionDataModule):
     def __init__(
         self,
         data_dir: str = "data/coco",
-        format: str = "karpathy",
+        format: Literal["coco", "karpathy", "custom"] = "karpathy",
         year: int = 2014,
         split_file: str = "dataset_coco.json",
         image_root: str = ".",

@@ -12,6 +12,8 @@ In beam search h has G hypotheses per image (G = 1 otherwise): the G hypotheses 
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,7 +78,8 @@ class DotAttention(GeneralAttention):
             self.W = nn.Identity()
 
 
-SCORERS = {"additive": AdditiveAttention, "dot": DotAttention, "general": GeneralAttention}
+Scorer = Literal["additive", "dot", "general"]  # a type: LightningCLI refuses other values and lists these in --help
+SCORERS = dict(zip(get_args(Scorer), (AdditiveAttention, DotAttention, GeneralAttention), strict=True))
 
 
 def build_scorer(kind: str, encoder_dim: int, decoder_dim: int, attention_dim: int) -> nn.Module:

@@ -13,13 +13,16 @@ every step together.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import nn
 
 from captioner.errors import ConfigError, check_choice
-from captioner.models.attention import attend, build_scorer
+from captioner.models.attention import Scorer, attend, build_scorer
 
-GATES = ("scalar", "channel", "none")
+Gate = Literal["scalar", "channel", "none"]  # a type: LightningCLI refuses other values and lists these in --help
+GATES = get_args(Gate)
 COMPILED_METHODS = ("step", "update", "attend", "recur", "output")  # by AttentionDecoder.compile_steps
 
 State = tuple[torch.Tensor, torch.Tensor]  # h, c: (N,D) each
@@ -51,9 +54,9 @@ class AttentionDecoder(nn.Module):
         embed_dim: int = 512,
         decoder_dim: int = 512,
         attention_dim: int = 512,
-        attention: str = "additive",
+        attention: Scorer = "additive",
         dropout: float = 0.5,
-        gate: str = "scalar",
+        gate: Gate = "scalar",
         position_embedding: bool = False,
         pad_index: int = 0,
     ):

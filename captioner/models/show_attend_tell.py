@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -176,9 +176,9 @@ class ShowAttendTell(nn.Module):
         pretrained: bool = True,
         grid_size: int | None = None,
         image_size: int | None = None,
-        feature_stride: int = 32,
+        feature_stride: Literal[32, 16] = 32,
         alpha_c: float = 1.0,
-        attention_mode: str = "soft",
+        attention_mode: Literal["soft", "hard"] = "soft",
         reinforce_weight: float = 0.1,
         entropy_weight: float = 0.002,
         expected_context_p: float = 0.5,
