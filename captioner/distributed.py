@@ -3,13 +3,18 @@ the stop on a non-finite loss."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from captioner.errors import CaptionerError
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 
 def distributed() -> bool:
@@ -18,7 +23,10 @@ def distributed() -> bool:
 
 
 def gather(records: list) -> list:
-    """Every rank's `records`, concatenated in rank order (under DDP; otherwise `records` itself)."""
+    """Every rank's `records`, concatenated in rank order (under DDP; otherwise `records` itself). Records are Python
+    objects (captions, random generators' states), which Lightning's strategies do not gather (their `all_gather`
+    takes tensors): torch.distributed's all_gather_object does, in the process group that DDP, FSDP and DeepSpeed
+    all run in."""
     if not distributed():
         return records
     everyone: list[list | None] = [None] * dist.get_world_size()
@@ -54,8 +62,11 @@ class FiniteLosses:
 
     Training losses are summed since the last optimizer step and checked there (`check_step`): after the backward
     pass was queued (reading a loss in the step would make the host wait for the device), before the optimizer can
-    write non-finite weights, and summed over the processes first (one all_reduce). A validation's or test's first
-    non-finite loss is noted (`add`) and said at the epoch's end (`check_epoch`), gathered from every process.
+    write non-finite weights, and summed over the processes first (the strategy's `reduce`). A validation's or test's
+    first non-finite loss is kept on the device (`add`: no read of it per batch) and said at the epoch's end
+    (`check_epoch`), gathered from every process (the strategy's `all_gather`), the first in rank order: every process
+    says the same line. The processes share values through Lightning's strategy, whatever it is; without one (a
+    module used without a Trainer) the checks are this process's alone.
 
     Args:
         where: says where training is (epoch and step), for the error.
@@ -64,21 +75,32 @@ class FiniteLosses:
     def __init__(self, where: Callable[[], str]):
         self.where = where
         self.pending: torch.Tensor | None = None  # the training losses since the last optimizer step
-        self.problem: str | None = None  # this validation's or test's first non-finite loss
+        self.first: torch.Tensor | None = None  # this validation's or test's first non-finite loss, or a finite one
+        self.stage = "val"
 
     def add(self, stage: str, loss: torch.Tensor) -> None:
+        loss = loss.detach()
         if stage == "train":  # accumulated batches: their sum is finite only if every loss is
-            self.pending = loss.detach() if self.pending is None else self.pending + loss.detach()
-        elif self.problem is None and not torch.isfinite(loss):
-            self.problem = self.explain(stage, loss.item())
+            self.pending = loss if self.pending is None else self.pending + loss
+        else:  # kept once it is not finite
+            self.stage, first = stage, loss if self.first is None else self.first
+            self.first = torch.where(torch.isfinite(first), loss, first)
 
-    def check_step(self, device: torch.device) -> None:
-        loss, self.pending = self.pending, None
-        if distributed():
-            loss = loss.clone() if loss is not None else torch.zeros((), device=device)
-            dist.all_reduce(loss)
-        if loss is not None and not torch.isfinite(loss):
+    def check_step(self, strategy: Strategy | None, device: torch.device) -> None:
+        loss = self.pending if self.pending is not None else torch.zeros((), device=device)
+        self.pending = None
+        if strategy is not None:  # every process takes part, with or without a loss of its own
+            loss = strategy.reduce(loss.clone(), reduce_op="sum")  # in place: not the logged loss
+        if not torch.isfinite(loss):
             raise CaptionerError(self.explain("train", loss.item()))
+
+    def check_epoch(self, strategy: Strategy | None, device: torch.device) -> None:
+        first = self.first if self.first is not None else torch.zeros((), device=device)
+        self.first = None
+        values = strategy.all_gather(first) if strategy is not None else first  # (processes,)
+        bad = [value for value in values.reshape(-1).tolist() if not math.isfinite(value)]
+        if bad:
+            raise CaptionerError(self.explain(self.stage, bad[0]))
 
     def explain(self, stage: str, value: float) -> str:
         return (
@@ -86,9 +108,3 @@ class FiniteLosses:
             "a learning rate too high, or float16 precision: try --model.decoder_lr lower, "
             "--trainer.precision=bf16-mixed or 32, or a pretrained backbone)"
         )
-
-    def check_epoch(self) -> None:
-        problems = [problem for problem in gather([self.problem]) if problem]
-        self.problem = None
-        if problems:
-            raise CaptionerError(problems[0])

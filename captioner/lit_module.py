@@ -137,7 +137,8 @@ class CaptioningModule(L.LightningModule):
             states = checkpoint["rng_states"]
             self._resumed_rng_states = states[self.global_rank % len(states)]
         weights, fingerprint = checkpoint["state_dict"], Fingerprint.read(checkpoint)
-        name = str(self._trainer.ckpt_path) if self._trainer is not None and self._trainer.ckpt_path else CHECKPOINT
+        trainer = self._attached_trainer()
+        name = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else CHECKPOINT
         checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.")
 
     def setup(self, stage: str) -> None:
@@ -154,7 +155,7 @@ class CaptioningModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.compiles_step() and not self.model.fixed_shape:
-            accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+            accumulate = self.trainer.accumulate_grad_batches
             options, note = compile_options(self.device.type, accumulate, self.hparams.get("compile_backend"))
             if note:
                 rank_zero_info(note)
@@ -186,8 +187,20 @@ class CaptioningModule(L.LightningModule):
     def where(self) -> str:
         return f"epoch {self.current_epoch}, step {self.global_step}"
 
+    def _attached_trainer(self) -> L.Trainer | None:
+        """The Trainer running this module; None for a module used without one (loaded for captioning, or a test's)."""
+        try:
+            return self.trainer
+        except RuntimeError:  # "not attached to a `Trainer`"
+            return None
+
+    def _strategy(self):
+        """Lightning's strategy, through which processes share values (`FiniteLosses`); None without a Trainer."""
+        trainer = self._attached_trainer()
+        return trainer.strategy if trainer is not None else None
+
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.finite_losses.check_step(self.device)  # every process stops on a non-finite loss, or none
+        self.finite_losses.check_step(self._strategy(), self.device)  # every process stops on a NaN loss, or none
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch:
@@ -217,7 +230,7 @@ class CaptioningModule(L.LightningModule):
     def _decode_epoch_end(self, stage: str) -> dict[str, float]:
         """Corpus metrics over the whole split: under DDP every rank's captions are gathered first, and the images
         that the DistributedSampler repeated to even out the ranks count once. Every rank gets the same values."""
-        self.finite_losses.check_epoch()  # every process stops on a non-finite loss, or none
+        self.finite_losses.check_epoch(self._strategy(), self.device)  # every process stops on a NaN loss, or none
         decoded, self._decoded = gather(self._decoded), []
         metrics = {f"{stage}/{name}": value for name, value in split_scores(decoded).items()}
         for name, value in metrics.items():  # equal on every rank: "max" keeps it exact and Lightning's DDP check quiet
