@@ -27,7 +27,7 @@ from captioner.models.show_attend_tell import ShowAttendTell
 
 FINGERPRINT = "encoder_weights"  # in a file that leaves out its encoder: the fingerprint of the weights left out
 # What files written before FINGERPRINT recorded instead: the encoder's annotation_fingerprint (weights, preprocessing
-# and grid). They are checked against it, with the image size and grid they were written with.
+# and grid). They are checked against it, so they load into a model of the image size and grid they were written with.
 ANNOTATION_FINGERPRINT = "encoder_fingerprint"
 EXPORT_FORMAT = "captioner-model/1"
 ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
