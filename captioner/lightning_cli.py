@@ -18,7 +18,14 @@ import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    Checkpoint,
+    ModelCheckpoint,
+    TQDMProgressBar,
+)
+from lightning.pytorch.callbacks.progress import ProgressBar as AnyProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -118,6 +125,23 @@ class LastCheckpoint(Checkpoint):
         # After CaptioningModule's own on_train_epoch_end (Lightning calls checkpoint callbacks last), after
         # validation, early stopping and the plateau schedule's step: the state the next epoch starts from.
         self._save(trainer)
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, which `captioner fit` shows by default, with `loss`: the mean training loss of the
+    previous optimizer step (over its accumulated batches and every process), as the finite-loss check copied it to the
+    host (`FiniteLosses`). A step's own values are not read for it: that would make the host wait for the device at
+    every step. The logged curves (`train/loss` every log_every_n_steps, `train/loss_epoch`) are in the loggers.
+
+    `--trainer.enable_progress_bar=false` turns it off; a progress bar among `--trainer.callbacks` replaces it.
+    """
+
+    def get_metrics(self, trainer: Trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        finite_losses = getattr(pl_module, "finite_losses", None)
+        if trainer.training and finite_losses is not None and finite_losses.last_loss is not None:
+            items["loss"] = finite_losses.last_loss
+        return items
 
 
 class AttentionImages(Callback):
@@ -247,6 +271,12 @@ class CaptionerCLI(LightningCLI):
             config["ckpt_path"] = None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        wanted = config.get("enable_progress_bar") is not False
+        if wanted and not any(isinstance(callback, AnyProgressBar) for callback in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, ProgressBar()])  # in place of Lightning's default bar
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: write atomically instead
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

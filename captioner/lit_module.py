@@ -67,7 +67,7 @@ class CaptioningModule(L.LightningModule):
             of its greedy caption (Rennie et al. 2017).
         compile: the training step's form. "auto" (on when training on CUDA), true or false. On: every caption of a
             batch runs the batch's steps (padding masked), nothing in training_step or the backward pass syncs with
-            the host (the one read, once per optimizer step, is the finite-loss check: `FiniteLosses`), and the loss
+            the host (the finite-loss check reads each optimizer step's loss a step late: `FiniteLosses`), and the loss
             (forward and backward) is compiled, with CUDA graphs on CUDA unless gradients are accumulated
             (`compile_options`). Off: the shrinking batch, fastest on a CPU. Both compute the same loss and gradients
             for the same random draws, but draw dropout's masks (and hard attention's locations) differently: their
@@ -125,7 +125,9 @@ class CaptioningModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
         Leave out the encoder's weights when they are its pretrained source's, which loading rebuilds bit for bit
-        (`captioner.checkpoints`): they would ride in every checkpoint unchanged."""
+        (`captioner.checkpoints`): they would ride in every checkpoint unchanged. First, the last step's loss is
+        checked: a checkpoint never holds the weights of a step whose loss was not finite."""
+        self.finite_losses.flush()
         checkpoint["rng_states"] = gather([rng_states()])
         weights, fingerprint = without_encoder(checkpoint["state_dict"], self.model.encoder, prefix="model.")
         if fingerprint is not None:
@@ -177,11 +179,15 @@ class CaptioningModule(L.LightningModule):
         loss, parts = (objective or TEACHER_FORCING)(self.model, batch)
         B = batch["index"].numel()
         self.finite_losses.add(stage, loss)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=B)
-        if stage == "train":  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
+        # A training step's values go to the loggers every log_every_n_steps, not to the progress bar: Lightning reads
+        # the progress bar's values to the host at every step, which would make the host wait for the device at every
+        # step. The bar shows the loss that FiniteLosses copies to the host anyway (`ProgressBar`).
+        training = stage == "train"
+        self.log(f"{stage}/loss", loss, prog_bar=not training, batch_size=B)
+        if training:  # the epoch's mean too: with fewer batches than log_every_n_steps, the only curve there is
             self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=B, sync_dist=True)
         for name, value in parts.items():
-            self.log(f"{stage}/{name}", value, prog_bar=name == "reward", batch_size=B)
+            self.log(f"{stage}/{name}", value, batch_size=B)
         return loss
 
     def where(self) -> str:
@@ -200,7 +206,14 @@ class CaptioningModule(L.LightningModule):
         return trainer.strategy if trainer is not None else None
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.finite_losses.check_step(self._strategy(), self.device)  # every process stops on a NaN loss, or none
+        # Every process stops on a NaN loss, or none; read a step late, so that the host never waits for the device
+        self.finite_losses.check_step(self._strategy(), self.device)
+
+    def on_validation_epoch_start(self) -> None:
+        self.finite_losses.flush()  # the last training step's loss, before validation uses its weights
+
+    def on_train_end(self) -> None:
+        self.finite_losses.flush()  # the last step's
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch:

@@ -10,6 +10,7 @@ mode sees them at the dispatcher, where every tensor op passes, whatever its dev
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,12 +49,19 @@ class HostSyncs(TorchDispatchMode):
     """Within it, `seen` lists each op that would make a CUDA host wait: (what it is, the line of code that ran it).
 
     Tensor methods that copy to the host dispatch nothing on a CPU tensor, so they are wrapped while the mode is on.
+
+    Args:
+        on_the_host: the tensors that stay in host memory when training runs on CUDA (reading them waits for
+            nothing), as a function called at each read, for tensors made later: torch's Adam keeps its step counts
+            on the host (unless fused or capturable), and `FiniteLosses` copies a step's loss into a host buffer.
+            Every other tensor is taken to be on the device.
     """
 
-    def __init__(self):
+    def __init__(self, on_the_host: Callable[[], Iterable[torch.Tensor]] = tuple):
         super().__init__()
         self.seen: list[tuple[str, str]] = []
         self._originals: dict[str, object] = {}
+        self.on_the_host = on_the_host
 
     def _record(self, what: str) -> None:
         frames = [f for f in traceback.extract_stack()[:-2] if "/captioner/" in f.filename.replace("\\", "/")]
@@ -63,6 +71,8 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reason = _reason(func, args, kwargs)
+        if reason and func in READS and any(args[0] is tensor for tensor in self.on_the_host()):
+            reason = None
         if reason:
             self._record(reason)
         return func(*args, **kwargs)

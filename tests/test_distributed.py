@@ -11,6 +11,8 @@ from captioner.errors import CaptionerError
 class SecondProcess:
     """Lightning's strategy as rank 0 of two sees it: rank 1's loss takes part in every reduce and gather."""
 
+    world_size = 2
+
     def __init__(self, loss: float):
         self.loss, self.calls = torch.tensor(loss), []
 
@@ -28,16 +30,29 @@ def losses() -> FiniteLosses:
 
 
 @pytest.mark.parametrize("own", [[1.0, 2.0], []])  # two accumulated batches, or none (a batch with no image)
-def test_another_process_s_non_finite_training_loss_stops_this_one_before_its_optimizer_step(own):
+def test_another_process_s_non_finite_training_loss_stops_this_one_at_its_next_optimizer_step(own):
     finite, strategy = losses(), SecondProcess(float("inf"))
     logged = [torch.tensor(value) for value in own]
     for loss in logged:
         finite.add("train", loss)
-    with pytest.raises(CaptionerError, match=r"^train/loss is inf at epoch 0, step 3: the model overflowed"):
-        finite.check_step(strategy, torch.device("cpu"))
+    finite.check_step(strategy, torch.device("cpu"))  # reduced and copied to the host; read at the next step
     assert strategy.calls == [("reduce", "sum")] and [loss.item() for loss in logged] == own  # not changed in place
+    finite.where = lambda: "epoch 0, step 4"
+    with pytest.raises(CaptionerError, match=r"^train/loss is inf at epoch 0, step 3: the model overflowed"):
+        finite.check_step(SecondProcess(2.0), torch.device("cpu"))  # names the step whose loss it was
     finite.add("train", torch.tensor(1.0))
     finite.check_step(SecondProcess(2.0), torch.device("cpu"))  # every process finite: it trains on
+    finite.flush()
+    assert finite.last_loss == 1.5  # the progress bar's: the mean of the two processes' losses
+
+
+def test_the_last_training_loss_is_read_when_flushed():
+    finite = losses()
+    finite.add("train", torch.tensor(float("nan")))
+    finite.check_step(SecondProcess(1.0), torch.device("cpu"))
+    with pytest.raises(CaptionerError, match=r"^train/loss is nan at epoch 0, step 3"):
+        finite.flush()
+    finite.flush()  # said once
 
 
 def test_the_first_non_finite_validation_loss_of_any_process_is_said_by_every_process():

@@ -27,17 +27,30 @@ def batch(module: CaptioningModule, value: float = 1.0) -> dict:
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True])  # the shrinking batch and the compiled step's form
-def test_a_non_finite_training_loss_stops_before_the_optimizer_step_with_one_line(fixed_shape):
+def test_a_non_finite_training_loss_stops_at_the_next_optimizer_step_with_one_line(fixed_shape):
     model = module()
     model.model.fixed_shape = fixed_shape
     model.training_step(batch(model), 0)
     model.on_before_optimizer_step(None)  # finite: no error
     model.training_step(batch(model, float("inf")), 0)  # not read in the step: that would make the host wait
+    model.on_before_optimizer_step(None)  # copied to the host behind the step, not read yet
+    model.training_step(batch(model), 0)
     with pytest.raises(CaptionerError) as error:
-        model.on_before_optimizer_step(None)  # Lightning's hook after the backward pass, before the optimizer step
+        model.on_before_optimizer_step(None)  # the next optimizer step reads it
     message = str(error.value)
     assert message.startswith("train/loss is nan at epoch 0, step 0: the model overflowed (") and "\n" not in message
     assert "--model.decoder_lr" in message and "--trainer.precision" in message
+
+
+@pytest.mark.parametrize("hook", ["on_save_checkpoint", "on_validation_epoch_start", "on_train_end"])
+def test_a_non_finite_training_loss_is_said_before_a_checkpoint_validation_or_the_end(hook):
+    """The last step's loss is read before anything trusts the weights it wrote: a checkpoint, validation, the end."""
+    model = module()
+    model.training_step(batch(model, float("inf")), 0)
+    model.on_before_optimizer_step(None)
+    arguments = ({},) if hook == "on_save_checkpoint" else ()
+    with pytest.raises(CaptionerError, match=r"^train/loss is nan at epoch 0, step 0: the model overflowed"):
+        getattr(model, hook)(*arguments)
 
 
 def test_a_non_finite_validation_loss_stops_at_the_epoch_s_end():
@@ -115,18 +128,27 @@ def test_the_plateau_schedule_steps_once_per_validation_of_a_fit_on_its_metric(t
     assert scheduler.last_epoch == 3
 
 
-def test_the_compiled_step_s_training_step_waits_for_the_host_only_at_the_finite_loss_check():
-    """What the docs claim of the fixed-shape (compiled) step in Lightning's loop: training_step and the backward pass
-    queue their work without reading a value to the host; once per optimizer step, `FiniteLosses` reads the summed
-    loss, before the optimizer would write a non-finite one into the weights."""
+def test_the_compiled_step_and_the_finite_loss_check_read_nothing_of_the_device():
+    """The fixed-shape (compiled) step in Lightning's loop: training_step and the backward pass queue their work
+    without reading a value to the host, and so does the finite-loss check at each optimizer step: it reads the host
+    copy of the previous step's loss (`FiniteLosses`), which on CUDA is pinned memory the step's copy went to without
+    waiting. (A whole fit under the same check: tests/test_fit_host_syncs.py.)"""
     from tests.host_syncs import READS, HostSyncs
 
     model = module()
     model.model.fixed_shape = True
-    for accumulated in range(2):  # two batches of gradients accumulated: one check, at the optimizer step
-        with HostSyncs() as syncs:
-            model.training_step(batch(model), accumulated).backward()
+
+    def on_the_host():
+        return [model.finite_losses.host]
+
+    for _ in range(2):  # two optimizer steps, of two batches of gradients accumulated each
+        for accumulated in range(2):
+            with HostSyncs(on_the_host) as syncs:
+                model.training_step(batch(model), accumulated).backward()
+            assert syncs.seen == []
+        with HostSyncs(on_the_host) as syncs:
+            model.on_before_optimizer_step(None)
         assert syncs.seen == []
-    with HostSyncs() as syncs:
+    with HostSyncs() as syncs:  # what the check does read: the host copy, once, at the next step
         model.on_before_optimizer_step(None)
     assert [what for what, _ in syncs.seen] == list(READS.values())
