@@ -47,8 +47,9 @@ class Captioner:
 
     The model is for inference only: its encoder's BatchNorms are folded into its convolutions
     (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the decoder's
-    per-word methods with torch.compile (`AttentionDecoder.compile_steps`): tens of seconds of compiling at the first
-    captions, for a faster search of single images; on a CPU it needs a C++ compiler.
+    per-word step with torch.compile at fixed shapes (`AttentionDecoder.compile_steps`), captured as CUDA graphs on
+    CUDA: the searches then run sync-free. Each number of images per batch and beam size compiles once, at its
+    first captions (seconds on a CPU, where it needs a C++ compiler); captions are then faster (docs/benchmarks.md).
     """
 
     def __init__(
@@ -61,8 +62,8 @@ class Captioner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.eval().to(self.device)
         self.model.encoder.fold_batchnorm()
-        if compile_decoder:
-            self.model.decoder.compile_steps()
+        if compile_decoder:  # CUDA graphs on CUDA: the step's many small kernels replayed in one launch
+            self.model.decoder.compile_steps(**({"mode": "reduce-overhead"} if self.device.type == "cuda" else {}))
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()
 

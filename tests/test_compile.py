@@ -1,4 +1,5 @@
-"""The optional torch.compile of the decoder's per-word methods (`Captioner.load(..., compile_decoder=True)`)."""
+"""The optional torch.compile of the decoder's step (`Captioner.load(..., compile_decoder=True)`), and of the training
+step (`--model.compile`)."""
 
 import math
 
@@ -7,25 +8,73 @@ import torch
 
 from captioner import Captioner
 from captioner.data.shapes import ShapesDataset
-from captioner.models.decoder import COMPILED_METHODS
-from tests.helpers import logged
+from captioner.models.decoding import beam_search, greedy_search
+from tests.helpers import SPECIAL, logged, random_decoder
 
 
-@pytest.mark.slow  # about 45 s, most of it compiling
-def test_a_compiled_decoder_captions_as_the_eager_one(tiny_model):
-    eager = Captioner.load(tiny_model)
-    assert not any(name in eager.model.decoder.__dict__ for name in COMPILED_METHODS)
-    compiled = Captioner.load(tiny_model, compile_decoder=True)
-    decoder = compiled.model.decoder
-    methods = [decoder.__dict__[name] for name in COMPILED_METHODS]
-    assert decoder.compile_steps() is decoder
-    assert [decoder.__dict__[name] for name in COMPILED_METHODS] == methods  # not wrapped a second time
-    images = [ShapesDataset("test", 3, seed=0).load_image(i) for i in range(3)]
-    for batch in (images[:1], images):  # one image, what the option is for, and several
-        want, got = eager.caption(batch, beam_size=3), compiled.caption(batch, beam_size=3)
-        assert [r.text for r in got] == [r.text for r in want]
-        for a, b in zip(got, want, strict=True):
-            assert abs(a.score - b.score) < 1e-4 and torch.allclose(a.alphas, b.alphas, atol=1e-5)
+def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again(tmp_path):
+    """One graph for the first word's rows and one for the later words', per number of images and beam size: none
+    for a new image or another caption length. (A backend that counts Dynamo's graphs and runs them as traced.)"""
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(tuple(x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2))
+        return graph.forward
+
+    torch.compiler.reset()
+    eager = random_decoder()
+    compiled = random_decoder()
+    with torch.no_grad():
+        eager.L_o.bias[SPECIAL["end_index"]] += 1.5  # captions that end, at different words
+    compiled.load_state_dict(eager.state_dict())
+    assert compiled.compile_steps(backend=counting) is compiled and compiled.compiled and not eager.compiled
+    step = compiled.step
+    assert compiled.compile_steps() is compiled and compiled.step is step  # not wrapped a second time
+    generator = torch.Generator().manual_seed(0)
+    lengths = set()
+    with torch.inference_mode():
+        for _ in range(6):  # six images one at a time, then three, with captions of different lengths
+            a = torch.randn(1, 9, 16, generator=generator)
+            want, got = beam_search(eager, a, beam_size=3, **SPECIAL), beam_search(compiled, a, beam_size=3, **SPECIAL)
+            assert torch.equal(got.tokens, want.tokens)
+            lengths.add(int(got.lengths[0]))
+        after_one = len(graphs)
+        a = torch.randn(3, 9, 16, generator=generator)
+        assert torch.equal(greedy_search(compiled, a, **SPECIAL).tokens, greedy_search(eager, a, **SPECIAL).tokens)
+    assert len(lengths) > 1  # the captions' lengths differed
+    assert after_one == 2 and len(graphs) == 3, graphs  # beam 3 of one image: 1 row, then 3; greedy of three: 3 rows
+
+
+@pytest.fixture(scope="module")
+def shapes_test_annotations() -> torch.Tensor:
+    """The bundled model's annotations of the 500 images of the shapes test split."""
+    model = Captioner.load("shapes").model
+    test = ShapesDataset("test", 500, seed=0)
+    transform = model.encoder.preprocessing.transforms()
+    with torch.inference_mode():
+        return torch.cat(
+            [
+                model.annotate(torch.stack([transform(test.load_image(i)) for i in range(start, start + 50)]))
+                for start in range(0, 500, 50)
+            ]
+        )
+
+
+def test_the_compiled_decoder_captions_the_bundled_model_s_500_test_images_word_for_word(shapes_test_annotations):
+    """Beam 3, one image at a time (what the option is for) and in Captioner's batches of 16, through the same code
+    path as on a GPU (Inductor here, CUDA graphs there): the same captions as the default search, word for word."""
+    eager = Captioner.load("shapes").model
+    compiled = Captioner.load("shapes", compile_decoder=True).model
+    assert compiled.decoder.compiled
+    a = shapes_test_annotations
+    with torch.inference_mode():
+        for batch in (1, 16):
+            for start in range(0, 500 if batch == 1 else 64, batch):
+                want = eager.generate(annotations=a[start : start + batch], beam_size=3)
+                got = compiled.generate(annotations=a[start : start + batch], beam_size=3)
+                assert torch.equal(got.tokens, want.tokens), start
+                assert torch.allclose(got.scores, want.scores, atol=1e-4)
+                assert torch.allclose(got.alphas, want.alphas, atol=1e-5)
 
 
 # The compiled training step (`--model.compile`, issue #45): on by default on CUDA; here forced on the CPU.

@@ -23,7 +23,19 @@ from captioner.models.attention import Scorer, attend, build_scorer
 
 Gate = Literal["scalar", "channel", "none"]  # a type: LightningCLI refuses other values and lists these in --help
 GATES = get_args(Gate)
-COMPILED_METHODS = ("step", "update", "attend", "recur", "output")  # by AttentionDecoder.compile_steps
+# Each shape the compiled step meets (the first word's rows and the later words' per number of images, beam size and
+# search) is a graph of its own: more than Dynamo's default of 8, after which it would run the step uncompiled (with
+# a warning). The limit is raised for the compiled calls only, and restored after each (torch.compiler has no public
+# knob for it).
+RECOMPILE_LIMIT = 64
+
+
+def recompile_limit(limit: int = RECOMPILE_LIMIT):
+    """A context in which Dynamo compiles a function up to `limit` times (its config, patched and restored)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    return config.patch(**{name: max(getattr(config, name), limit)})
+
 
 State = tuple[torch.Tensor, torch.Tensor]  # h, c: (N,D) each
 
@@ -222,12 +234,29 @@ class AttentionDecoder(nn.Module):
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
-        """Compile the per-word methods with `torch.compile(**options)` (dynamic shapes unless `options` say
-        otherwise: the batch shrinks as captions end), in place; the loops over words stay in Python. Not in the
-        paper, and off by default: `Captioner.load(..., compile_decoder=True)` turns it on for captioning, where it
-        makes single images faster (docs/benchmarks.md). The first calls compile, which takes tens of seconds; on a
-        CPU, Inductor needs a C++ compiler. Returns the decoder; calling it again does nothing."""
-        for name in COMPILED_METHODS:
-            if name not in self.__dict__:  # once compiled, an instance attribute hides the method
-                setattr(self, name, torch.compile(getattr(self, name), **{"dynamic": True} | options))
+        """Compile `step`, the one call per word of the searches that run at fixed shapes (sync-free: every image
+        and hypothesis runs every word, `captioner.models.decoding`), with `torch.compile(**options)`, in place.
+
+        Static shapes by default: a graph per shape the step meets (the first word's rows, one per image, and the
+        later words' rows, one per hypothesis, for each number of images and beam size), compiled at its first call,
+        and then run with no recompiling whatever the images or the captions' lengths. With `mode="reduce-overhead"`
+        (on CUDA, `Captioner`'s choice) each graph is captured as a CUDA graph and replayed. The searches run
+        sync-free with a compiled decoder: the shrinking batch's shapes change with the data, and would compile at
+        every new shape. Not in the paper, and off by default: `Captioner.load(..., compile_decoder=True)` turns it
+        on for captioning (docs/benchmarks.md). On a CPU, Inductor needs a C++ compiler. Returns the decoder;
+        calling it again does nothing."""
+        if self.compiled:
+            return self
+        compiled = torch.compile(self.step, **({"dynamic": False} | options))
+
+        def step(*args):
+            with recompile_limit():
+                return compiled(*args)
+
+        self.step = step  # an instance attribute hides the method
         return self
+
+    @property
+    def compiled(self) -> bool:
+        """Whether `compile_steps` compiled this decoder's step."""
+        return "step" in self.__dict__

@@ -22,10 +22,13 @@ LENGTH_PENALTY = 1.0
 CHECK_EVERY = 8
 
 
-def sync_free_default(annotations: torch.Tensor, sync_free: bool | None) -> bool:
-    """`sync_free` as asked, or by default on CUDA, where a device-to-host copy per word stalls the launch queue. On a
-    CPU there is no queue to stall, and the shrinking batch saves work."""
-    return annotations.device.type == "cuda" if sync_free is None else sync_free
+def sync_free_default(annotations: torch.Tensor, sync_free: bool | None, decoder: AttentionDecoder) -> bool:
+    """`sync_free` as asked, or by default on CUDA, where a device-to-host copy per word stalls the launch queue, and
+    with a compiled decoder, whose step runs at fixed shapes (`AttentionDecoder.compile_steps`). On a CPU there is
+    no queue to stall, and the shrinking batch saves work."""
+    if sync_free is not None:
+        return sync_free
+    return annotations.device.type == "cuda" or getattr(decoder, "compiled", False)
 
 
 @dataclass
@@ -55,7 +58,7 @@ def greedy_search(
 ) -> Generation:
     """Pick the most probable word at every step until every caption has produced <end> or max_len words.
 
-    Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
+    Two ways to the same captions (`sync_free`: by default on CUDA and compiled, see `sync_free_default`):
     - the batch shrinks as captions end: the decoder only runs the captions still being written, and the host reads
       at every word which have ended (the CPU's way: 1.43x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
@@ -63,7 +66,7 @@ def greedy_search(
     """
     if max_len < 1:
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
-    sync_free = sync_free_default(annotations, sync_free)
+    sync_free = sync_free_default(annotations, sync_free, decoder)
     B, P, _ = annotations.shape
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D) each
@@ -126,7 +129,7 @@ def beam_search(
     Each image gets its best finished hypothesis; if none finished within max_len, the best unfinished one. Its
     caption is empty when that hypothesis is <end> alone (tests/test_degenerate_captions.py).
 
-    Two ways to the same captions (`sync_free`: by default on CUDA, see `sync_free_default`):
+    Two ways to the same captions (`sync_free`: by default on CUDA and compiled, see `sync_free_default`):
     - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
       image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
       decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
@@ -138,7 +141,7 @@ def beam_search(
     K = beam_size
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
-    sync_free = sync_free_default(annotations, sync_free)
+    sync_free = sync_free_default(annotations, sync_free, decoder)
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
     keys = decoder.prepare(annotations)  # (B,P,K')

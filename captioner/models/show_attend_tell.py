@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import AttentionDecoder, recompile_limit
 from captioner.models.decoding import (
     LENGTH_PENALTY,
     Generation,
@@ -37,19 +37,6 @@ def pad_to_bucket(captions: torch.Tensor, pad_index: int) -> torch.Tensor:
     read, never its values: no host sync."""
     steps = captions.size(1) - 1
     return F.pad(captions, (0, bucket_steps(steps) - steps), value=pad_index)
-
-
-# Each caption bucket and hard attention's two kinds of batch are graphs of their own: COCO's can be more than Dynamo's
-# default of 8 recompilations, after which it would run the step uncompiled (with a warning). The limit is raised for
-# the compiled step's calls only, and restored after each (torch.compiler has no public knob for it).
-RECOMPILE_LIMIT = 64
-
-
-def _recompile_limit(limit: int):
-    """A context in which Dynamo compiles a function up to `limit` times (its config, patched and restored)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
-    return config.patch(**{name: max(getattr(config, name), limit)})
 
 
 def compile_options(device_type: str, accumulate: int = 1, backend: str | None = None) -> tuple[dict, str | None]:
@@ -282,7 +269,7 @@ class ShowAttendTell(nn.Module):
         compiled = self.__dict__.get("_compiled_loss")
         if compiled is None or not self.fixed_shape or not self.training:
             return self.teacher_forced_loss(*args)
-        with _recompile_limit(RECOMPILE_LIMIT):
+        with recompile_limit():  # each caption bucket and hard attention's two kinds of batch are graphs of their own
             loss, log_likelihood = compiled(*args)
         # A CUDA graph's outputs live in its memory pool and are overwritten by its next replay; the loss parts are
         # logged and read later (progress bar, epoch means), so they leave as copies: a few scalars.
