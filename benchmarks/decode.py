@@ -37,9 +37,10 @@ def images_per_second(
     return batch / seconds
 
 
-def sync_free_table() -> str:
-    """The bundled model on 64 shapes test images, whose captions end at different words: the shrinking search (the
-    CPU's default) against the sync-free one (CUDA's default), which runs every caption to the last one's end."""
+def bundled_table(forms: dict[str, dict], title: str) -> str:
+    """The bundled model on 64 shapes test images, whose captions end at different words, searched in each of `forms`
+    (name -> the model and generate's options), which take turns over three rounds; the last is compared with the
+    first."""
     from captioner import Captioner
     from captioner.data.shapes import ShapesDataset
 
@@ -52,25 +53,45 @@ def sync_free_table() -> str:
     for beam in (1, 3):
         for batch in (1, 64):
             images = [a[i : i + 1] for i in range(64)] if batch == 1 else [a]  # one call per image, or one for all
-            rates = {"shrinking": [], "sync-free": []}
+            rates = {form: [] for form in forms}
             with torch.inference_mode():
-                for _ in range(3):  # the two take turns
-                    for form in rates:
-                        calls, options = itertools.cycle(images), {"beam_size": beam, "sync_free": form == "sync-free"}
-                        seconds = timed(lambda c=calls, o=options: model.generate(annotations=next(c), **o), calls=9)
+                for m, options in forms.values():  # untimed: compiles a compiled model's shapes
+                    for x in images[:2]:
+                        m.generate(annotations=x, beam_size=beam, **options)
+                for _ in range(3):  # the forms take turns
+                    for form, (m, options) in forms.items():
+                        calls, kwargs = itertools.cycle(images), {"beam_size": beam, **options}
+                        seconds = timed(lambda c=calls, m=m, k=kwargs: m.generate(annotations=next(c), **k), calls=9)
                         rates[form].append(batch / seconds)
-            shrinking, sync_free = (statistics.median(rates[form]) for form in rates)
-            rows.append(
-                {
-                    "search": "greedy" if beam == 1 else f"beam {beam}",
-                    "batch": batch,
-                    "shrinking": f"{shrinking:.1f}",
-                    "sync-free": f"{sync_free:.1f}",
-                    "ratio": f"{sync_free / shrinking:.2f}x",
-                }
-            )
-    title = "the bundled model on 64 shapes test images, images/s: shrinking (the CPU's default) and sync-free (CUDA's)"
+            medians = {form: statistics.median(values) for form, values in rates.items()}
+            first, last = medians[next(iter(forms))], medians[list(forms)[-1]]
+            row = {"search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch}
+            row |= {form: f"{value:.1f}" for form, value in medians.items()} | {"ratio": f"{last / first:.2f}x"}
+            rows.append(row)
     return f"{title}, median of 3 rounds\n\n{table(rows)}"
+
+
+def sync_free_table() -> str:
+    """The shrinking search (the CPU's default) against the sync-free one (CUDA's), which runs every caption to the
+    last one's end, reading whether all have ended every CHECK_EVERY words as on a GPU."""
+    from captioner import Captioner
+
+    model = Captioner.load("shapes").model
+    forms = {"shrinking": (model, {"sync_free": False}), "sync-free": (model, {"sync_free": True, "check_every": 8})}
+    title = "the bundled model on 64 shapes test images, images/s: shrinking (the CPU's default) and sync-free (CUDA's)"
+    return bundled_table(forms, title)
+
+
+def compiled_table() -> str:
+    """`Captioner.load("shapes")` against `Captioner.load("shapes", compile_decoder=True)`, each searching as it does
+    by default on this device."""
+    from captioner import Captioner
+
+    forms = {
+        "eager (default)": (Captioner.load("shapes").model, {}),
+        "compile_decoder": (Captioner.load("shapes", compile_decoder=True).model, {}),
+    }
+    return bundled_table(forms, "the bundled model on 64 shapes test images, images/s: eager and compile_decoder")
 
 
 def main() -> None:
@@ -86,6 +107,7 @@ def main() -> None:
     print(table(rows))
 
     print("\n" + sync_free_table())
+    print("\n" + compiled_table())
 
     rows = []
     for size in SIZES:

@@ -18,8 +18,20 @@ LENGTH_PENALTY = 1.0
 
 # Sync-free decoding (the GPU's: see `greedy_search`) asks the device whether every caption has ended once every this
 # many words: one device-to-host copy per CHECK_EVERY words instead of one per word, at the cost of up to
-# CHECK_EVERY - 1 words run after the last caption ended.
+# CHECK_EVERY - 1 words run after the last caption ended. On a CPU, where the read waits for nothing, at every word
+# (`check_interval`).
 CHECK_EVERY = 8
+
+
+def check_interval(annotations: torch.Tensor, check_every: int | None) -> int:
+    """How often a sync-free search reads whether every caption has ended: `check_every` as asked, or CHECK_EVERY
+    words on an accelerator, where the read makes the host wait for the device, and every word on a CPU, where it
+    waits for nothing and stops the search at the last caption's end (a compiled decoder searches sync-free there)."""
+    if check_every is not None:
+        if check_every < 1:
+            raise ConfigError(f"check_every must be >= 1, got {check_every}")
+        return check_every
+    return 1 if annotations.device.type == "cpu" else CHECK_EVERY
 
 
 def sync_free_default(annotations: torch.Tensor, sync_free: bool | None, decoder: AttentionDecoder) -> bool:
@@ -55,18 +67,21 @@ def greedy_search(
     max_len: int = 30,
     pad_index: int = 0,
     sync_free: bool | None = None,
+    check_every: int | None = None,
 ) -> Generation:
     """Pick the most probable word at every step until every caption has produced <end> or max_len words.
 
     Two ways to the same captions (`sync_free`: by default on CUDA and compiled, see `sync_free_default`):
     - the batch shrinks as captions end: the decoder only runs the captions still being written, and the host reads
-      at every word which have ended (the CPU's way: 1.43x faster there at batch 64, docs/benchmarks.md);
+      at every word which have ended (the CPU's way: 1.35x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
-      read once every CHECK_EVERY words: the device never waits for the host in between.
+      read once every `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in
+      between.
     """
     if max_len < 1:
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
     sync_free = sync_free_default(annotations, sync_free, decoder)
+    check_every = check_interval(annotations, check_every)
     B, P, _ = annotations.shape
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D) each
@@ -92,8 +107,8 @@ def greedy_search(
         out_alphas[rows, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
         scores.index_add_(0, rows, best)
         finished = finished | (tokens == end_index)
-        if sync_free:  # the one host sync: every CHECK_EVERY words, when another word follows
-            if (t + 1) % CHECK_EVERY == 0 and t + 1 < max_len and bool(finished.all()):
+        if sync_free:  # the one host sync: every check_every words, when another word follows
+            if (t + 1) % check_every == 0 and t + 1 < max_len and bool(finished.all()):
                 break
         elif bool(finished.any()):  # the ended captions leave the batch
             keep = (~finished).nonzero().squeeze(1)
@@ -116,6 +131,7 @@ def beam_search(
     length_penalty: float = LENGTH_PENALTY,
     pad_index: int = 0,
     sync_free: bool | None = None,
+    check_every: int | None = None,
 ) -> Generation:
     """Beam search over all images and beams at once: each step is one decoder call on the hypotheses of all the
     images still searching.
@@ -133,15 +149,16 @@ def beam_search(
     - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
       image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
       decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
-      1.35x faster there at batch 64, docs/benchmarks.md);
+      1.21x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every image and hypothesis runs every step, and whether all have finished is read once every
-      CHECK_EVERY words: the device never waits for the host in between.
+      `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in between.
     """
     B, P, _ = annotations.shape
     K = beam_size
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
     sync_free = sync_free_default(annotations, sync_free, decoder)
+    check_every = check_interval(annotations, check_every)
     device = annotations.device
     h, c = decoder.init_state(annotations)  # (B,D): one hypothesis per image before the first word
     keys = decoder.prepare(annotations)  # (B,P,K')
@@ -198,8 +215,8 @@ def beam_search(
         record_alphas.append(step_alphas)
         input_rows = rows
 
-        if sync_free:  # the one host sync: every CHECK_EVERY words, when another word follows
-            if (t + 1) % CHECK_EVERY == 0 and t + 1 < max_len and bool(finished.all()):
+        if sync_free:  # the one host sync: every check_every words, when another word follows
+            if (t + 1) % check_every == 0 and t + 1 < max_len and bool(finished.all()):
                 break
             continue
         done = finished.view(A, K).all(dim=1)  # (A,)

@@ -308,15 +308,17 @@ class ShowAttendTell(nn.Module):
         max_len: int = 30,
         length_penalty: float = LENGTH_PENALTY,
         sync_free: bool | None = None,
+        check_every: int | None = None,
     ) -> Generation:
         """Caption a batch: greedy when beam_size is 1, else batched beam search (`captioner.models.decoding`).
-        `sync_free`: fixed shapes, no device-to-host copy at every word (by default on CUDA); the same captions.
+        `sync_free`: fixed shapes, no device-to-host copy at every word (by default on CUDA and with a compiled
+        decoder), which reads whether every caption has ended once every `check_every` words; the same captions.
 
         Returns tokens (B,T), lengths (B,), scores (B,) and the per-word alphas (B,T,P).
         """
         annotations = self.annotate(images, annotations)
         special = {"start_index": self.start_index, "end_index": self.end_index, "pad_index": self.pad_index}
-        options = {"max_len": max_len, "sync_free": sync_free, **special}
+        options = {"max_len": max_len, "sync_free": sync_free, "check_every": check_every, **special}
         if beam_size == 1:
             return greedy_search(self.decoder, annotations, **options)
         return beam_search(self.decoder, annotations, beam_size=beam_size, length_penalty=length_penalty, **options)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.decoding import beam_search, greedy_search
+from captioner.models.decoding import CHECK_EVERY, beam_search, greedy_search
 from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
 
 # Greedy takes A (0.55) and then can only end with 0.34: p = 0.187.
@@ -211,29 +211,32 @@ def test_batched_beam_search_matches_a_plain_reference_and_runs_no_ended_hypothe
     assert not any(END in words or PAD in words for words in counter.words)
 
 
-# Sync-free decoding (the default on CUDA): fixed shapes, "all ended" read every CHECK_EVERY words. Same captions.
+# Sync-free decoding (the default on CUDA): fixed shapes, "all ended" read every CHECK_EVERY words there (every word
+# on a CPU). Same captions.
 
 
 @pytest.mark.parametrize("table", [TRAP, WEAK], ids=["trap", "weak"])
 @pytest.mark.parametrize("beam_size", [1, 2, 3])
-def test_sync_free_search_finds_the_same_captions_on_tables(table, beam_size):
+@pytest.mark.parametrize("check_every", [1, CHECK_EVERY])  # a CPU's default, a GPU's
+def test_sync_free_search_finds_the_same_captions_on_tables(table, beam_size, check_every):
     decoder, annotations = TableDecoder(table), torch.zeros(2, 4, 2)
     for length_penalty in (0.0, 1.0):
         options = {"max_len": 10, **SPECIAL}
         if beam_size == 1:
             want = greedy_search(decoder, annotations, sync_free=False, **options)
-            got = greedy_search(decoder, annotations, sync_free=True, **options)
+            got = greedy_search(decoder, annotations, sync_free=True, check_every=check_every, **options)
         else:
             options |= {"beam_size": beam_size, "length_penalty": length_penalty}
             want = beam_search(decoder, annotations, sync_free=False, **options)
-            got = beam_search(decoder, annotations, sync_free=True, **options)
+            got = beam_search(decoder, annotations, sync_free=True, check_every=check_every, **options)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
         assert torch.allclose(got.scores, want.scores, atol=1e-5)
 
 
 @pytest.mark.parametrize("end_bias", [-1e4, 0.0, 1.5, 3.0])  # never ends, mixed lengths, short captions
 @pytest.mark.parametrize("max_len", [5, 8, 13])  # below, at and past CHECK_EVERY
-def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len):
+@pytest.mark.parametrize("check_every", [1, CHECK_EVERY])  # a CPU's default, a GPU's
+def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len, check_every):
     decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
     decoder.L_o.bias.data[END] += end_bias
     with torch.inference_mode():
@@ -243,7 +246,7 @@ def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len):
             if beam_size == 1:
                 options.pop("beam_size"), options.pop("length_penalty")
             want = search(decoder, annotations, sync_free=False, **options)
-            got = search(decoder, annotations, sync_free=True, **options)
+            got = search(decoder, annotations, sync_free=True, check_every=check_every, **options)
             assert torch.equal(got.tokens, want.tokens), (beam_size, length_penalty)
             assert torch.equal(got.lengths, want.lengths)
             assert torch.allclose(got.scores, want.scores, atol=1e-5)

@@ -73,7 +73,8 @@ def test_sync_free_search_waits_once_every_check_every_words_and_once_at_the_end
     with torch.no_grad():
         m.decoder.L_o.bias[END] = -1e4  # no caption ends: the search runs to max_len
     a = torch.randn(3, m.encoder.num_pixels, m.encoder.out_dim).relu()
-    options = {"max_len": max_len, "sync_free": True, **SPECIAL} | ({"beam_size": beam_size} if beam_size > 1 else {})
+    options = {"max_len": max_len, "sync_free": True, "check_every": CHECK_EVERY, **SPECIAL}  # a GPU's interval
+    options |= {"beam_size": beam_size} if beam_size > 1 else {}
     search = beam_search if beam_size > 1 else greedy_search
     with torch.no_grad(), HostSyncs() as syncs:
         out = search(m.decoder, a, **options)
@@ -85,9 +86,27 @@ def test_sync_free_search_waits_once_every_check_every_words_and_once_at_the_end
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_a_search_whose_captions_all_end_at_once_stops_at_the_first_check(beam_size):
     table = TableDecoder({1: {END: 0.9, 4: 0.1}, 4: {END: 1.0}})
-    options = {"max_len": 30, "sync_free": True, **SPECIAL} | ({"beam_size": beam_size} if beam_size > 1 else {})
+    options = {"max_len": 30, "sync_free": True, "check_every": CHECK_EVERY, **SPECIAL}
+    options |= {"beam_size": beam_size} if beam_size > 1 else {}
     search = beam_search if beam_size > 1 else greedy_search
     with HostSyncs() as syncs:
         out = search(table, torch.zeros(3, 4, 2), **options)
     assert [what for what, _ in syncs.seen] == [READ, READ]  # the check at word CHECK_EVERY, and the width
     assert out.tokens.tolist() == [[END]] * 3
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_on_a_cpu_a_sync_free_search_reads_at_every_word_and_stops_at_the_last_caption_s_end(beam_size):
+    """A read waits for nothing on a CPU (where a compiled decoder searches sync-free): the default interval is one
+    word, so the search stops as soon as every caption has ended, not at the next multiple of CHECK_EVERY."""
+    table = TableDecoder({1: {4: 1.0}, 4: {5: 1.0}, 5: {END: 1.0}})  # "w4 w5 <end>": three words
+    options = {"max_len": 30, **SPECIAL} | ({"beam_size": beam_size} if beam_size > 1 else {})
+    search = beam_search if beam_size > 1 else greedy_search
+    with HostSyncs() as syncs:
+        out = search(table, torch.zeros(2, 4, 2), sync_free=True, **options)
+    assert torch.equal(out.tokens, search(table, torch.zeros(2, 4, 2), sync_free=False, **options).tokens)
+    assert out.tokens.tolist() == [[4, 5, END]] * 2
+    checks = [where for what, where in syncs.seen if what == READ][:-1]  # the last read is the output's width
+    assert len(set(checks)) == 1 and len(checks) < CHECK_EVERY  # one check a word, stopped before the 8th
+    if beam_size == 1:
+        assert len(checks) == 3  # after words 1 and 2 (going on) and 3 (all ended)

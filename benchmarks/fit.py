@@ -1,0 +1,275 @@
+"""`captioner fit` as users run it on COCO: the shipped `configs/coco_resnet101.yaml` (the paper's sizes: ResNet-101 at
+448 pixels pooled to 14x14x2048, a 512-d decoder, a vocabulary of about 10,000 words; frozen encoder, feature cache,
+clipping, both loggers, checkpoints, early stopping, the progress bar), run through the CLI in a new process, on a
+synthetic Karpathy split of COCO's shape. And, in the same run, the compiled training step alone.
+
+    python benchmarks/fit.py                   # on a CUDA machine: 5,000 training images, 500 val, 3 epochs
+    python benchmarks/fit.py --images 20000    # larger (the feature cache takes 157 KiB per image in float16)
+    python benchmarks/fit.py --smoke           # tiny, on the CPU: checks the script; its figures mean nothing
+
+The data: `dataset_coco.json` with COCO's Karpathy layout (splits train/restval/val/test, five captions per image);
+caption lengths of 7 + Poisson(3.5) words (COCO's mean, about 10.5); words drawn from a Zipf distribution over 10,000
+types, each type used at least five times so that the vocabulary (min_word_count 5) has COCO's 10,000 words. Images
+are JPEG files at COCO's sizes (640x480, 480x640, 640x427, 500x375, 427x640), eight distinct ones of smooth noise,
+linked under every file name: every image is read and decoded as a real one would be.
+
+It reports:
+- setup: from the reading of the config to the first training batch (reading the split, the vocabulary, building the
+  feature cache of the training and validation images), and the images cached per second of it;
+- training captions/s of each epoch (the first compiles the step's shapes; the later ones are the figure);
+- validation: seconds per 1,000 images (the loss and a greedy decode of every image, then the corpus scores);
+- the compiled step alone at the same sizes and precision (forward, loss, backward, clipping at 5, Adam, under
+  bfloat16 autocast, as Lightning's bf16-mixed runs it), captions/s, and the fit's share of it.
+
+Two changes to the shipped config, both forced by the machines it is meant for, which have no internet: the encoder
+is untrained (`--model.pretrained=false`: torchvision's weights cannot be downloaded), and the precision is bf16-mixed
+rather than the config's 16-mixed. An untrained ResNet-101's annotations reach 10^5, beyond float16's range (65,504):
+under float16 autocast the first projection overflows and the run stops on an infinite loss, which a pretrained
+encoder's annotations do not do. bfloat16 has float32's range. (So the cache is float32 too, as a log line says: twice
+the disk of a pretrained encoder's float16 cache, and slower to read. 16-mixed would also add a read of the
+GradScaler's overflow flag at every step, which bf16-mixed does not have.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import machine, table
+from lightning.pytorch.callbacks import Callback
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+SIZES = [(640, 480), (480, 640), (640, 427), (500, 375), (427, 640)]  # COCO's commonest image sizes
+TYPES = 10_000  # word types: COCO's vocabulary at min_word_count 5 is about this size
+START = time.perf_counter()  # in the fit's process: imported as its config is read, before the data are read
+
+
+def write_images(folder: Path, names: list[str], distinct: int = 8, seed: int = 0) -> None:
+    """JPEG files at COCO's sizes under `names`: `distinct` different ones, the rest links to them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = np.random.default_rng(seed)
+    sources = []
+    for i in range(distinct):
+        width, height = SIZES[i % len(SIZES)]
+        coarse = generator.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
+        smooth = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+        noise = generator.normal(0, 12, (height, width, 3))
+        pixels = np.clip(np.asarray(smooth, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+        source = folder / f"source_{i}.jpg"
+        Image.fromarray(pixels).save(source, quality=90)
+        sources.append(source)
+    for i, name in enumerate(names):
+        os.symlink(sources[i % distinct].name, folder / name)
+
+
+def write_split(root: Path, counts: dict[str, int], seed: int = 0) -> int:
+    """`root/dataset_coco.json` and the images under root/train2014 and root/val2014; returns the images' count."""
+    generator = np.random.default_rng(seed)
+    total = sum(counts.values())
+    lengths = 7 + generator.poisson(3.5, (total, 5))
+    ranks = 1.0 / np.arange(1, TYPES + 1)
+    words = generator.choice(TYPES, size=int(lengths.sum()), p=ranks / ranks.sum())
+    train_words = int(lengths[: counts["train"] + counts["restval"]].sum())
+    covered = min(train_words, 5 * TYPES)  # each type five times in the training captions, where there is room
+    words[generator.permutation(train_words)[:covered]] = np.arange(covered) % TYPES
+    vocabulary = [f"w{i}" for i in range(TYPES)]
+    images, position, index = [], 0, 0
+    folders = {"train": "train2014", "restval": "val2014", "val": "val2014", "test": "val2014"}
+    names: dict[str, list[str]] = {"train2014": [], "val2014": []}
+    for split, count in counts.items():
+        for _ in range(count):
+            sentences = []
+            for length in lengths[index]:
+                tokens = [vocabulary[w] for w in words[position : position + length]]
+                position += length
+                sentences.append({"tokens": tokens, "raw": " ".join(tokens)})
+            name = f"COCO_{folders[split]}_{index:012d}.jpg"
+            names[folders[split]].append(name)
+            images.append(
+                {"filepath": folders[split], "filename": name, "split": split, "cocoid": index, "sentences": sentences}
+            )
+            index += 1
+    for folder, files in names.items():
+        write_images(root / folder, files)
+    (root / "dataset_coco.json").write_text(json.dumps({"images": images, "dataset": "coco"}))
+    return total
+
+
+class FitTimes(Callback):
+    """The fit's phases, written as JSON at its end: setup seconds (the config's reading to the first batch), and per
+    epoch the training seconds and captions, and the validation seconds and images. The device is synchronized at
+    each phase's end only (a few times an epoch), so that the times are the device's, not the host's queueing."""
+
+    def __init__(self, output: str):
+        self.output = output
+        self.record: dict = {"setup": None, "epochs": []}
+        self.since = 0.0
+
+    def _now(self, pl_module) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter()
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        now = self._now(pl_module)
+        if self.record["setup"] is None:
+            self.record["setup"] = now - START
+        self.record["epochs"].append({"training": 0.0, "captions": 0, "validation": 0.0, "images": 0})
+        self.since = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch:
+            self.record["epochs"][-1]["captions"] += batch["captions"].size(0)  # a shape: no read of the device
+
+    def on_validation_start(self, trainer, pl_module):
+        if self.record["epochs"] and not trainer.sanity_checking:
+            now = self._now(pl_module)
+            self.record["epochs"][-1]["training"] += now - self.since
+            self.since = now
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.record["epochs"] and not trainer.sanity_checking and batch:
+            self.record["epochs"][-1]["images"] += batch["index"].numel()
+
+    def on_validation_end(self, trainer, pl_module):
+        if self.record["epochs"] and not trainer.sanity_checking:
+            now = self._now(pl_module)
+            self.record["epochs"][-1]["validation"] += now - self.since
+            self.since = now
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if not trainer.val_dataloaders or trainer.limit_val_batches == 0:  # no validation closed the segment
+            now = self._now(pl_module)
+            self.record["epochs"][-1]["training"] += now - self.since
+
+    def on_fit_end(self, trainer, pl_module):
+        Path(self.output).write_text(json.dumps(self.record))
+
+
+def run_fit(root: Path, epochs: int, smoke: bool) -> dict:
+    """`captioner fit --config configs/coco_resnet101.yaml` in `root`, where the data are, with FitTimes."""
+    times = root / "times.json"
+    timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
+    command = [
+        sys.executable,
+        "-m",
+        "captioner.cli",
+        "fit",
+        f"--config={REPO / 'configs' / 'coco_resnet101.yaml'}",
+        "--model.pretrained=false",  # torchvision's weights cannot be downloaded here (the speed is the same)
+        "--data.init_args.download=false",
+        f"--data.init_args.data_dir={root}",
+        f"--trainer.max_epochs={epochs}",
+        f"--trainer.callbacks+={timer}",
+        f"--trainer.precision={'32-true' if smoke else 'bf16-mixed'}",  # why: the docstring
+    ]
+    if smoke:  # minutes of ResNet-101 on a CPU otherwise
+        command += ["--model.image_size=224", "--data.init_args.batch_size=16"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(command, cwd=root, env=env, check=True)
+    return json.loads(times.read_text())
+
+
+def isolated_step(device: torch.device, smoke: bool, batch: int = 64) -> float:
+    """Captions/s of the compiled step alone at the paper's sizes, as Lightning's bf16-mixed runs it on CUDA: bfloat16
+    autocast, clipping at 5, Adam. (--smoke: tiny sizes, float32, Dynamo's capture without code generation.)"""
+    from gpu import PAPER, TINY, batches, model
+
+    sizes = TINY if smoke else PAPER
+    torch.compiler.reset()
+    m = model(sizes, device)
+    m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
+    optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
+    data = batches(sizes, batch, device, count=8)
+
+    def step(a, captions, lengths):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = m(captions, lengths, annotations=a).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)
+        optimizer.step()
+
+    for a, captions, lengths in data * 2:  # compiles each caption length's graph
+        step(a, captions, lengths)
+    rounds = 1 if smoke else 20
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for a, captions, lengths in data:
+            step(a, captions, lengths)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return rounds * len(data) * batch / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=5000, help="training images (a fifth of them as restval)")
+    parser.add_argument("--val", type=int, default=500, help="validation images (as many test images are written)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs: the first compiles, the later ones are timed")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
+    parser.add_argument("--folder", help="where to write the data and run (default: a temporary folder, removed)")
+    options = parser.parse_args()
+    if options.smoke:
+        options.images, options.val, options.epochs = 40, 8, 2
+    elif not torch.cuda.is_available():
+        print("fit.py: no CUDA device here; it measures a GPU's fit (--smoke checks the script on a CPU)")
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run: not a measurement)"
+    print(f"# fit.py on {name}; {machine()}\n", flush=True)
+
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(options.folder or temporary).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        restval = options.images // 5
+        counts = {"train": options.images - restval, "restval": restval, "val": options.val, "test": options.val}
+        start = time.perf_counter()
+        total = write_split(root, counts)
+        print(f"wrote {total} images' split and files in {time.perf_counter() - start:.1f} s", flush=True)
+        record = run_fit(root, options.epochs, options.smoke)
+
+    cached = options.images + options.val
+    rows = [{"phase": "setup (split, vocabulary, feature cache)", "seconds": f"{record['setup']:.1f}"}]
+    rows[0]["figure"] = f"{cached / record['setup']:.0f} images cached/s"
+    for i, epoch in enumerate(record["epochs"]):
+        rate = epoch["captions"] / epoch["training"] if epoch["training"] else float("nan")
+        note = " (compiling)" if i == 0 else ""
+        rows.append(
+            {
+                "phase": f"epoch {i}: training{note}",
+                "seconds": f"{epoch['training']:.1f}",
+                "figure": f"{rate:.0f} captions/s",
+            }
+        )
+        if epoch["images"]:
+            per_thousand = 1000 * epoch["validation"] / epoch["images"]
+            rows.append(
+                {
+                    "phase": f"epoch {i}: validation",
+                    "seconds": f"{epoch['validation']:.1f}",
+                    "figure": f"{per_thousand:.1f} s per 1,000 images",
+                }
+            )
+    step = isolated_step(device, options.smoke)
+    last = record["epochs"][-1]
+    fit_rate = last["captions"] / last["training"]
+    rows.append({"phase": "the compiled step alone (B=64)", "seconds": "", "figure": f"{step:.0f} captions/s"})
+    print(f"\n`captioner fit --config configs/coco_resnet101.yaml`, {options.images} training images\n")
+    print(table(rows))
+    print(f"\nthe fit's last epoch trains at {fit_rate / step:.2f}x the compiled step alone", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
