@@ -155,10 +155,9 @@ class FitTimes(Callback):
         Path(self.output).write_text(json.dumps(self.record))
 
 
-def run_fit(root: Path, epochs: int, smoke: bool) -> dict:
-    """`captioner fit --config configs/coco_resnet101.yaml` in `root`, where the data are, with FitTimes."""
-    times = root / "times.json"
-    timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
+def fit_command(root: Path, epochs: int, smoke: bool, *extra: str) -> list[str]:
+    """`captioner fit --config configs/coco_resnet101.yaml` on the data in `root`, with the two changes this script
+    makes (its docstring says why), and `extra` arguments."""
     command = [
         sys.executable,
         "-m",
@@ -169,13 +168,26 @@ def run_fit(root: Path, epochs: int, smoke: bool) -> dict:
         "--data.init_args.download=false",
         f"--data.init_args.data_dir={root}",
         f"--trainer.max_epochs={epochs}",
-        f"--trainer.callbacks+={timer}",
-        f"--trainer.precision={'32-true' if smoke else 'bf16-mixed'}",  # why: the docstring
+        f"--trainer.precision={'32-true' if smoke else 'bf16-mixed'}",
     ]
     if smoke:  # minutes of ResNet-101 on a CPU otherwise
         command += ["--model.image_size=224", "--data.init_args.batch_size=16"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run(command, cwd=root, env=env, check=True)
+    return [*command, *extra]
+
+
+def run_in(root: Path, command: list[str]) -> None:
+    """Runs `command` in `root` (where the config's checkpoints and logs land), with benchmarks/ importable for the
+    callbacks its arguments name. Relative entries of PYTHONPATH are made absolute first: the folder changes."""
+    paths = [str(Path(__file__).resolve().parent)]
+    paths += [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, check=True)
+
+
+def run_fit(root: Path, epochs: int, smoke: bool) -> dict:
+    """The fit in `root`, where the data are, with FitTimes: what it recorded."""
+    times = root / "times.json"
+    timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
+    run_in(root, fit_command(root, epochs, smoke, f"--trainer.callbacks+={timer}"))
     return json.loads(times.read_text())
 
 

@@ -280,6 +280,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
     parser.add_argument("--skip-fit", action="store_true", help="leave out the shapes fit")
+    parser.add_argument("--skip-training", action="store_true", help="leave out the training steps' table")
     options = parser.parse_args()
     if not options.smoke and not torch.cuda.is_available():
         print("gpu.py: no CUDA device here; it measures GPU speed only (docs/benchmarks.md, 'On a GPU')")
@@ -291,7 +292,7 @@ def main() -> None:
     print(f"# gpu.py on {name}, torch {torch.__version__}\n", flush=True)
 
     rows = []
-    for B in (64, 256):
+    for B in () if options.skip_training else (64, 256):
         for bf16 in (False, True):
             rates = {form: training_rate(sizes, B, form, bf16, device) for form in ("tutorial", "eager", "compiled")}
             base = rates["tutorial"][0]
@@ -306,8 +307,9 @@ def main() -> None:
                 }
             )
             print(f"training B={B} bf16={bf16}: {rows[-1]}", flush=True)
-    print("\ntraining, captions/s at the paper's sizes\n")
-    print(table(rows), flush=True)
+    if rows:
+        print("\ntraining, captions/s at the paper's sizes\n")
+        print(table(rows), flush=True)
 
     print("\nbeam 3, images/s at the paper's sizes (16 words per image)\n")
     print(table(decoding_rates(sizes, device)), flush=True)

@@ -44,3 +44,18 @@ def test_hard_attention_bf16_and_clipping_compiled_on_cuda_train_with_finite_los
     assert cli.model.model.fixed_shape and {"val/loss", "train/loss_epoch"} <= values.keys()
     assert all(math.isfinite(value) for value in values.values())
     assert cli.model.model.reward_baseline.item() < 0  # sampled batches moved the baseline
+
+
+def test_the_compiled_decoder_on_cuda_captions_as_the_eager_one():
+    """`compile_decoder=True` on CUDA: the search's step captured as CUDA graphs (mode="reduce-overhead"), one image
+    at a time and in batches of 16, writes the eager search's captions (both sync-free, as on CUDA by default)."""
+    from captioner import Captioner
+    from captioner.data.shapes import ShapesDataset
+
+    torch.compiler.reset()
+    eager = Captioner.load("shapes", device="cuda")
+    compiled = Captioner.load("shapes", device="cuda", compile_decoder=True)
+    images = [ShapesDataset("test", 48, seed=0).load_image(i) for i in range(48)]
+    want = [r.tokens for r in eager.caption(images, beam_size=3)]
+    assert [r.tokens for r in compiled.caption(images, beam_size=3, batch_size=16)] == want
+    assert [compiled.caption(image, beam_size=3)[0].tokens for image in images[:16]] == want[:16]
