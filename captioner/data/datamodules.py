@@ -54,14 +54,25 @@ class _Inputs:
                 log.warning("skipping %s", err)
                 self.bad.add(index)
                 return None
+        return torch.from_numpy(np.array(self._array()[index]))  # (P,E) float16
+
+    def rows(self, indices: list[int]) -> torch.Tensor:
+        """The cached annotations (B,P,E) of images `indices` (none of them bad), in one indexed read of the cache."""
+        return torch.from_numpy(self._array()[np.asarray(indices)])  # numpy copies the rows out: the tensor owns them
+
+    def _array(self) -> np.ndarray:
         if isinstance(self.cache, FeatureCache):  # opened lazily, so that each DataLoader worker maps its own view
             self.cache = self.cache.load()
-        return torch.from_numpy(np.array(self.cache[index]))  # (P,E) float16
+        return self.cache
 
 
 class CaptionDataset(Dataset):
     """Training: one item per (image, caption) pair, or one per image with a random caption each time.
-    Evaluation: one item per image, carrying all its references (each image is decoded once)."""
+    Evaluation: one item per image, carrying all its references (each image is decoded once), and for shapes its
+    objects and canvas (attention correctness). Training items carry neither: no training step reads them (SCST reads
+    the split's `references` by image index).
+
+    A DataLoader gets its batches from `__getitems__`: from the feature cache, all the batch's rows in one read."""
 
     def __init__(
         self,
@@ -75,50 +86,96 @@ class CaptionDataset(Dataset):
         self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
         self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
         self.items = [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
+        # Every caption's tokens in one array, for the batches: caption j of image i starts at starts[first[i] + j]
+        counts = np.array([len(caps) for caps in captions], dtype=np.int64)
+        self._first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._lengths = np.array([len(c) for caps in captions for c in caps], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)
+        self._tokens = np.array([token for caps in captions for c in caps for token in c], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.items) if self.items is not None else len(self.captions)
 
-    def __getitem__(self, index: int) -> dict | None:
+    def _pair(self, index: int) -> tuple[int, int]:
+        """Item `index`'s (image, caption); in "random" mode the caption is drawn here, one draw per item."""
         if self.items is not None:
-            image, caption = self.items[index]
-        else:
-            image = index
-            caption = random.randrange(len(self.captions[index])) if self.mode == "random" else 0
+            return self.items[index]
+        return index, random.randrange(len(self.captions[index])) if self.mode == "random" else 0
+
+    def _about(self, image: int) -> dict:
+        """What evaluation reads of an image besides its input and caption; nothing for training."""
+        if self.mode != "first":
+            return {}
+        objects = self.objects[image] if self.objects is not None else None
+        return {
+            "references": self.references[image],
+            "objects": objects,
+            "canvas": getattr(self.source, "image_size", None),
+        }
+
+    def __getitem__(self, index: int) -> dict | None:
+        image, caption = self._pair(index)
         inputs = self.inputs(image)
         if inputs is None:
             return None
-        return {
-            "index": image,
-            "input": inputs,
-            "caption": torch.tensor(self.captions[image][caption]),
-            "references": self.references[image],
-            "objects": self.objects[image] if self.objects is not None else None,
-            "canvas": getattr(self.source, "image_size", None),
-            "key": self.inputs.key,
-        }
+        item = {"index": image, "input": inputs, "caption": torch.tensor(self.captions[image][caption])}
+        return item | self._about(image) | {"key": self.inputs.key}
+
+    def __getitems__(self, indices: list[int]) -> dict:
+        """The batch of items `indices` (what a DataLoader asks for, batch by batch), collated. From the feature
+        cache, the batch's rows are read in one indexed read, straight into the batch, rather than copied out row by
+        row and stacked; images are loaded and collated one by one. Items whose image is bad are left out."""
+        if self.inputs.key != "annotations":
+            return collate([self[index] for index in indices])
+        pairs = [pair for pair in map(self._pair, indices) if pair[0] not in self.inputs.bad]  # every draw made
+        if not pairs:
+            return {}
+        images = [image for image, _ in pairs]
+        batch = {"annotations": self.inputs.rows(images)} | self._padded_captions(pairs)
+        batch["index"] = torch.tensor(images)
+        if self.mode == "first":
+            about = [self._about(image) for image in images]
+            batch |= {key: [a[key] for a in about] for key in ("references", "objects", "canvas")}
+        return batch
+
+    def _padded_captions(self, pairs: list[tuple[int, int]]) -> dict:
+        """`_padded` of the captions (image, caption) `pairs`, gathered from the token array at once."""
+        ids = self._first[[image for image, _ in pairs]] + np.array([caption for _, caption in pairs], dtype=np.int64)
+        starts, lengths = self._starts[ids], self._lengths[ids]
+        columns = np.arange(lengths.max())
+        real = columns < lengths[:, None]  # (B,T)
+        captions = np.full(real.shape, Vocabulary.pad_index, dtype=np.int64)
+        captions[real] = self._tokens[(starts[:, None] + columns)[real]]
+        return {"captions": torch.from_numpy(captions), "lengths": torch.from_numpy(lengths)}
 
 
-def collate(items: list[dict | None]) -> dict:
-    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out.
+def _padded(captions: list[torch.Tensor]) -> dict:
+    return {
+        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_index),  # (B,T)
+        "lengths": torch.tensor([len(c) for c in captions]),  # (B,)
+    }
+
+
+def collate(items: list[dict | None] | dict) -> dict:
+    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out. A batch
+    that `CaptionDataset.__getitems__` collated already is passed on as it is.
 
     A batch with no readable image is an empty dict, which every step skips. Not None: Lightning would skip a None
     training batch before `training_step`, and under DDP a process that skips a step leaves the others waiting for it
     in the gradient all-reduce, for ever.
     """
+    if isinstance(items, dict):
+        return items
     items = [item for item in items if item is not None]
     if not items:
         return {}
-    captions = [item["caption"] for item in items]
-    return {
-        items[0]["key"]: torch.stack([item["input"] for item in items]),
-        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_index),  # (B,T)
-        "lengths": torch.tensor([len(c) for c in captions]),  # (B,)
-        "references": [item["references"] for item in items],
-        "objects": [item["objects"] for item in items],
-        "canvas": [item["canvas"] for item in items],
-        "index": torch.tensor([item["index"] for item in items]),
-    }
+    batch = {items[0]["key"]: torch.stack([item["input"] for item in items])}
+    batch |= _padded([item["caption"] for item in items])
+    for key in ("references", "objects", "canvas"):  # evaluation's items only
+        if key in items[0]:
+            batch[key] = [item[key] for item in items]
+    batch["index"] = torch.tensor([item["index"] for item in items])
+    return batch
 
 
 class CaptionDataModule(L.LightningDataModule):

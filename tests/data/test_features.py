@@ -267,3 +267,34 @@ def test_the_cache_is_keyed_on_the_grid(tmp_path):
     cache = FeatureCache(tmp_path, fine, split)
     cache.ensure(batch_size=4, num_workers=0, device="cpu")
     assert cache.load().shape == (4, 196, 112)
+
+
+@pytest.mark.parametrize("mode", ["all", "random"])
+def test_batches_read_in_one_go_from_the_cache_are_the_item_by_item_batches(tmp_path, encoder, mode):
+    """`CaptionDataset.__getitems__` (one indexed read of the batch's cache rows, its captions gathered at once) gives,
+    for the sampler's order and the same random draws, exactly the batches that loading item by item and collating
+    gave before it; training batches carry no references, validation batches carry them. The loaders use it."""
+    import random
+
+    from captioner.data.datamodules import collate
+
+    module = ShapesDataModule(str(tmp_path), 12, 6, 4, batch_size=5, num_workers=0, train_captions=mode)
+    module.set_encoder(encoder)
+    module.setup("fit")
+    for split in ("train", "val"):
+        loader = module.train_dataloader() if split == "train" else module.val_dataloader()
+        dataset = loader.dataset
+        assert dataset.inputs.key == "annotations"
+        torch.manual_seed(0)
+        order = list(loader.batch_sampler)
+        assert len(order) > 1 and sum(map(len, order)) == len(dataset)
+        for step, indices in enumerate(order):
+            random.seed(step)
+            batch = dataset.__getitems__(indices)
+            random.seed(step)
+            want = collate([dataset[i] for i in indices])
+            assert batch.keys() == want.keys() and ("references" in batch) == (split == "val")
+            for key, value in want.items():
+                assert torch.equal(batch[key], value) if torch.is_tensor(value) else batch[key] == value, key
+        first = next(iter(loader))
+        assert first["annotations"].shape[0] == 5 and first.keys() == batch.keys()
