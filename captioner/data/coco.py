@@ -30,6 +30,7 @@ class Record:
     image: Path
     captions: list[str]
     image_id: int | str = field(default=0)
+    tokens: list[list[str]] | None = field(default=None, compare=False, repr=False)  # each caption's, from `clean`
 
 
 def read_coco(annotation_file: str | Path, image_dir: str | Path) -> list[Record]:
@@ -50,17 +51,26 @@ def read_coco(annotation_file: str | Path, image_dir: str | Path) -> list[Record
 
 def read_karpathy(split_file: str | Path, image_root: str | Path, split: str) -> list[Record]:
     """Karpathy's `dataset_{coco,flickr8k,flickr30k}.json`; split "train" includes "restval"."""
+    return read_karpathy_splits(split_file, image_root)[split]
+
+
+KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "test"}  # the file's name -> ours
+
+
+def read_karpathy_splits(split_file: str | Path, image_root: str | Path) -> dict[str, list[Record]]:
+    """Every split of a Karpathy file at once ("train" with "restval"): COCO's is parsed in seconds, once."""
     split_file = Path(split_file)
     if not split_file.is_file():
         raise ConfigError(f"{split_file}: Karpathy split file not found")
-    wanted = {"train": {"train", "restval"}, "val": {"val"}, "test": {"test"}}[split]
-    records = []
+    splits: dict[str, list[Record]] = {"train": [], "val": [], "test": []}
+    root = Path(image_root)
     for item in json.loads(split_file.read_text())["images"]:
-        if item["split"] in wanted:
-            path = Path(image_root) / item.get("filepath", "") / item["filename"]
+        if item["split"] in KARPATHY_SPLITS:
+            path = root.joinpath(item.get("filepath", ""), item["filename"])
             captions = [s.get("raw") or " ".join(s["tokens"]) for s in item["sentences"]]
-            records.append(Record(path, captions, item.get("cocoid", item.get("imgid", item["filename"]))))
-    return records
+            image_id = item.get("cocoid", item.get("imgid", item["filename"]))
+            splits[KARPATHY_SPLITS[item["split"]]].append(Record(path, captions, image_id))
+    return splits
 
 
 def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record]:
@@ -93,9 +103,9 @@ def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record
 
 def clean(records: list[Record], max_caption_len: int | None, name: str) -> tuple[list[Record], str | None]:
     """Drop empty captions (no word in any script), captions of more than `max_caption_len` words (None: keep every
-    length) and images whose file is missing. Returns the records kept and a one-line summary of what was dropped,
-    with the first missing file and the folder it was looked for in, and of the symbols that captions lose to the
-    tokenizer (None when nothing was)."""
+    length) and images whose file is missing. Returns the records kept, each with its captions' tokens (a caption is
+    tokenized here, once), and a one-line summary of what was dropped, with the first missing file and the folder it
+    was looked for in, and of the symbols that captions lose to the tokenizer (None when nothing was)."""
     dropped: Counter[str] = Counter()
     missing: Path | None = None
     lost: Counter[str] = Counter()  # symbols and emoji that `tokenize` drops -> captions that had them
@@ -105,18 +115,19 @@ def clean(records: list[Record], max_caption_len: int | None, name: str) -> tupl
             dropped["image file missing"] += 1
             missing = missing or record.image
             continue
-        captions = []
+        captions, tokens = [], []
         for caption in record.captions:
-            words = len(tokenize(caption))
+            words = tokenize(caption)
             lost.update(lost_characters(caption))
-            if words == 0:
+            if not words:
                 dropped["empty caption"] += 1
-            elif max_caption_len is not None and words > max_caption_len:
+            elif max_caption_len is not None and len(words) > max_caption_len:
                 dropped[f"caption longer than {max_caption_len} words"] += 1
             else:
                 captions.append(caption)
+                tokens.append(words)
         if captions:
-            kept.append(Record(record.image, captions, record.image_id))
+            kept.append(Record(record.image, captions, record.image_id, tokens))
         else:
             dropped["image with no usable caption"] += 1
     if not dropped and not lost:
@@ -164,6 +175,13 @@ class CaptionSet:
 
     def captions(self, index: int) -> list[str]:
         return self.records[index].captions
+
+    def tokens(self, index: int) -> list[list[str]]:
+        """The tokens of each of image `index`'s captions (`tokenize`), made once."""
+        record = self.records[index]
+        if record.tokens is None:
+            record.tokens = [tokenize(caption) for caption in record.captions]
+        return record.tokens
 
     def image_id(self, index: int) -> int | str:
         return self.records[index].image_id

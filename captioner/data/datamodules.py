@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.data.coco import CaptionSet, clean, read_coco, read_custom, read_karpathy
+from captioner.data.coco import CaptionSet, clean, read_coco, read_custom, read_karpathy_splits
 from captioner.data.features import FeatureCache, ImageSource
 from captioner.data.images import ImageError
 from captioner.data.shapes import ShapesDataset
@@ -178,6 +178,13 @@ def collate(items: list[dict | None] | dict) -> dict:
     return batch
 
 
+def _tokens(source: CaptionSource, index: int) -> list[list[str]]:
+    """The tokens of image `index`'s captions: the split's own (`CaptionSet.tokens`, made once), or tokenized here."""
+    if hasattr(source, "tokens"):
+        return source.tokens(index)
+    return [tokenize(caption) for caption in source.captions(index)]
+
+
 class CaptionDataModule(L.LightningDataModule):
     """Base class: subclasses say how to make each split (`make_split`); this class builds the vocabulary from the
     training split, the feature cache (when the model's encoder is frozen) and the loaders.
@@ -244,7 +251,7 @@ class CaptionDataModule(L.LightningDataModule):
                 if path.exists():
                     self._vocab = Vocabulary.load(path)
                 else:
-                    captions = (c for i in range(len(train)) for c in train.captions(i))
+                    captions = (tokens for i in range(len(train)) for tokens in _tokens(train, i))
                     self._vocab = Vocabulary.build(captions, self.min_word_count, self.max_vocab_size)
                     self._vocab.save(path)
         return self._vocab
@@ -268,9 +275,8 @@ class CaptionDataModule(L.LightningDataModule):
         source = self.split(split)
         if getattr(source, "summary", None):  # what was skipped, said once, by the split that is used
             log.warning(source.summary)
-        texts = [source.captions(i) for i in range(len(source))]
-        captions = [[self.vocab.encode(t) for t in caps] for caps in texts]
-        references = [[tokenize(t) for t in caps] for caps in texts]
+        references = [_tokens(source, i) for i in range(len(source))]  # each caption tokenized once
+        captions = [[self.vocab.encode(tokens) for tokens in caps] for caps in references]
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
         return CaptionDataset(source, captions, references, mode, objects)
 
@@ -441,6 +447,7 @@ class CocoDataModule(CaptionDataModule):
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.max_train_caption_len, self.download, self.urls = max_train_caption_len, download, urls or {}
         self.checksums = checksums or {}
+        self._karpathy: dict[str, list] | None = None  # every split's records, once the Karpathy file is read
 
     def prepare_data(self) -> None:
         """Download what is missing (only with download: true); writes to disk, builds nothing in memory."""
@@ -459,8 +466,10 @@ class CocoDataModule(CaptionDataModule):
         if self.format == "coco":
             part = "train" if split == "train" else "val"
             records = read_coco(root / "annotations" / f"captions_{part}{self.year}.json", root / f"{part}{self.year}")
-        elif self.format == "karpathy":
-            records = read_karpathy(root / self.split_file, root / self.image_root, split)
+        elif self.format == "karpathy":  # the file is read once, for every split
+            if self._karpathy is None:
+                self._karpathy = read_karpathy_splits(root / self.split_file, root / self.image_root)
+            records = self._karpathy[split]
         else:
             records = [
                 r

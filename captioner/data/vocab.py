@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,15 @@ def _patterns():
 
 def normalize(text: str) -> str:
     """NFC and case folding: "Café" and "cafe\u0301" both give "café"; "Straße" gives "strasse"."""
+    if text.isascii():  # NFC leaves ASCII as it is, and case folding is lowering there
+        return text.lower()
     return unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold()).translate(APOSTROPHES)
+
+
+# The same two patterns for ASCII text (most English captions), which Python's `re` runs several times faster: letters
+# and digits with inner apostrophes, and the ASCII symbols (Unicode's S categories) that `tokenize` drops.
+_ASCII_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+_ASCII_LOST = re.compile(r"[$+<=>^`|~]")
 
 
 def tokenize(text: str) -> list[str]:
@@ -45,12 +54,14 @@ def tokenize(text: str) -> list[str]:
         "Un café crème."      -> ["un", "café", "crème"]
         "一只猫在床上"           -> ["一", "只", "猫", "在", "床", "上"]
     """
-    return _patterns()[0].findall(normalize(text))
+    text = normalize(text)
+    return _ASCII_TOKEN.findall(text) if text.isascii() else _patterns()[0].findall(text)
 
 
 def lost_characters(text: str) -> set[str]:
     """The characters that `tokenize` drops other than punctuation and spaces (symbols such as "$" or "°", emoji)."""
-    return set(_patterns()[2].findall(normalize(text)))
+    text = normalize(text)
+    return set(_ASCII_LOST.findall(text) if text.isascii() else _patterns()[2].findall(text))
 
 
 def detokenize(words: Sequence[str]) -> str:
@@ -61,6 +72,10 @@ def detokenize(words: Sequence[str]) -> str:
         joined = previous is not None and unspaced.match(previous) and unspaced.match(word)
         text += word if previous is None or joined else " " + word
     return text
+
+
+def _words(caption: str | Sequence[str]) -> Sequence[str]:
+    return tokenize(caption) if isinstance(caption, str) else caption
 
 
 class Vocabulary:
@@ -80,12 +95,15 @@ class Vocabulary:
     pad_index, start_index, end_index, unk_index = 0, 1, 2, 3
 
     @classmethod
-    def build(cls, captions: Iterable[str], min_freq: int = 1, max_size: int | None = None) -> Vocabulary:
-        """Count the words of `captions`; keep those seen at least `min_freq` times, at most `max_size` ids in all.
+    def build(
+        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None
+    ) -> Vocabulary:
+        """Count the words of `captions` (texts, or their tokens); keep those seen at least `min_freq` times, at most
+        `max_size` ids in all.
 
         Ties in frequency are broken alphabetically, so the same captions always give the same vocabulary.
         """
-        counts = Counter(word for caption in captions for word in tokenize(caption))
+        counts = Counter(word for caption in captions for word in _words(caption))
         words = sorted((w for w, n in counts.items() if n >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(cls.SPECIALS))]
@@ -102,8 +120,8 @@ class Vocabulary:
 
     def encode(self, caption: str | Sequence[str]) -> list[int]:
         """Caption text (or its tokens) -> [<start>, w1, ..., wn, <end>]; unknown words map to <unk>."""
-        words = tokenize(caption) if isinstance(caption, str) else caption
-        return [self.start_index, *(self.stoi.get(w, self.unk_index) for w in words), self.end_index]
+        get, unknown = self.stoi.get, self.unk_index
+        return [self.start_index, *[get(w, unknown) for w in _words(caption)], self.end_index]
 
     def decode_tokens(self, ids: Iterable[int]) -> list[str]:
         """Ids -> words, stopping at <end> and skipping <pad>/<start>."""

@@ -69,3 +69,26 @@ def test_load_rejects_a_foreign_file(tmp_path):
     (tmp_path / "x.json").write_text('{"words": []}')
     with pytest.raises(CaptionerError, match=r"x\.json: not a vocabulary file"):
         Vocabulary.load(tmp_path / "x.json")
+
+
+def test_ascii_captions_take_a_faster_path_to_the_same_tokens_and_lost_symbols():
+    """ASCII text is tokenized with Python's `re` (several times faster): the same words and dropped symbols as the
+    Unicode patterns give, on every printable ASCII character alone and next to letters, and on random strings."""
+    import random
+    import string
+    import unicodedata
+
+    from captioner.data.vocab import _patterns, normalize
+
+    def slow(text: str) -> tuple[list[str], set[str]]:
+        text = unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold())
+        return _patterns()[0].findall(text), set(_patterns()[2].findall(text))
+
+    cases = [c for c in string.printable] + [f"a{c}b {c}x{c}" for c in string.printable]
+    generator = random.Random(0)
+    alphabet = string.ascii_letters + string.digits + string.punctuation + " '\t"
+    cases += ["".join(generator.choices(alphabet, k=generator.randrange(1, 40))) for _ in range(3000)]
+    cases += ["A man's dog -- isn't it? 3 o'clock, $5 <tag> a+b=c ~x^y `q` |z|", "''a''", "a'b'c d'", "'"]
+    for text in cases:
+        assert text.isascii() and (tokenize(text), lost_characters(text)) == slow(text), repr(text)
+        assert normalize(text) == unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold())

@@ -1,0 +1,129 @@
+"""The data side of training at COCO's size, on a synthetic Karpathy split of its exact shape: 113,287 training images
+(restval included), 5,000 val and 5,000 test, five captions each (`fit.py`'s captions and linked JPEG files).
+
+    python benchmarks/coco_scale.py                  # full size (about 3 minutes of writing the data the first time)
+    python benchmarks/coco_scale.py --size 0.05      # a twentieth of it (`make bench`'s size)
+
+It times, with `configs/coco_lite0.yaml`'s data options:
+- `setup("fit")` the first time (the vocabulary built) and again (the vocabulary read), and `setup("test")`, with the
+  peak memory of each (each in a new process);
+- the training loader's batches of 64 per second from a Lite0-shaped feature cache (49x1280 float16 rows, random
+  values; every training image's row, unless --cache-rows caps it: 13.2 GiB at full size), in the main process,
+  which is what a training step waits for. The file is read once in order first, so that the timed batches find it
+  in the page cache, as the epochs after the first do on a machine whose memory holds it (a cold read of random rows
+  is the disk's speed, not the loader's).
+
+The data are written under --folder (default: a temporary folder, removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import machine, table
+from fit import write_split
+
+COCO = {"train": 82_783, "restval": 30_504, "val": 5_000, "test": 5_000}  # Karpathy's split of COCO 2014
+
+SETUP = """
+import json, resource, sys, time
+start = time.perf_counter()
+from captioner.data.datamodules import CocoDataModule
+module = CocoDataModule(sys.argv[1], format="karpathy", min_word_count=5, max_vocab_size=10000)
+imported = time.perf_counter()
+module.setup(sys.argv[2])
+print(json.dumps({"seconds": time.perf_counter() - imported, "import": imported - start,
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vocab": len(module.vocab)}))
+"""
+
+
+def setup_run(root: Path, stage: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", SETUP, str(root), stage], capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(result.stderr)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def loader_rate(root: Path, cache_rows: int | None, batches: int = 300) -> tuple[float, int]:
+    """Batches of 64 per second of the training loader over a Lite0-shaped cache, read in the main process."""
+    import torch
+
+    from captioner.data.datamodules import CocoDataModule, _Inputs
+
+    module = CocoDataModule(str(root), format="karpathy", min_word_count=5, max_vocab_size=10000, num_workers=0)
+    module.setup("fit")
+    dataset = module.datasets["train"]
+    rows = len(dataset.source) if cache_rows is None else min(cache_rows, len(dataset.source))
+    path = root / "lite0_rows.npy"
+    if not path.exists() or np.load(path, mmap_mode="r").shape != (rows, 49, 1280):  # a later run reuses it
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(rows, 49, 1280))
+        generator = np.random.default_rng(0)
+        for start in range(0, rows, 1024):  # random values, written in blocks
+            array[start : start + 1024] = generator.standard_normal((min(1024, rows - start), 49, 1280), np.float32)
+        array.flush()
+        del array
+    with path.open("rb") as file:  # read once in order: the timed reads find it in the page cache, as in training
+        while file.read(1 << 26):
+            pass
+    inputs = _Inputs.__new__(_Inputs)
+    inputs.source, inputs.transform, inputs.bad, inputs.key = dataset.source, None, set(), "annotations"
+    inputs.cache = np.load(path, mmap_mode="r")
+    dataset.inputs = inputs
+    if rows < len(dataset.source):  # only the cached images' items
+        keep = [i for i, (image, _) in enumerate(dataset.items) if image < rows]
+        dataset.items = [dataset.items[i] for i in keep]
+    loader = module._loader("train", shuffle=True)
+    torch.manual_seed(0)
+    iterator = iter(loader)
+    for _ in range(20):  # warm up: the first batches fault the rows' pages in
+        next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return batches / (time.perf_counter() - start), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=float, default=1.0, help="a fraction of COCO's size")
+    parser.add_argument("--cache-rows", type=int, default=None, help="cap the loader's cache at this many images")
+    parser.add_argument("--folder", help="where to write the data (default: a temporary folder)")
+    options = parser.parse_args()
+    counts = {split: max(1, round(n * options.size)) for split, n in COCO.items()}
+    print(f"# coco_scale.py on {machine()}: {counts}\n", flush=True)
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(options.folder or temporary).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        if not (root / "dataset_coco.json").exists():
+            start = time.perf_counter()
+            write_split(root, counts)
+            print(f"wrote the split and its files in {time.perf_counter() - start:.0f} s", flush=True)
+        for vocabulary in root.glob("vocab-*.json"):
+            vocabulary.unlink()  # the first setup builds it
+        rows = []
+        for name, stage in (("fit, first", "fit"), ("fit, again", "fit"), ("test", "test")):
+            record = setup_run(root, stage)
+            rows.append(
+                {
+                    "setup": name,
+                    "seconds": f"{record['seconds']:.1f}",
+                    "peak memory, MiB": f"{record['peak_mib']:.0f}",
+                    "vocabulary": record["vocab"],
+                }
+            )
+            print(rows[-1], flush=True)
+        rate, cached = loader_rate(root, options.cache_rows)
+    print(f"\nsetup at {options.size:g} of COCO's size (import time excluded)\n")
+    print(table(rows))
+    print(f"\ntraining loader: {rate:.0f} batches of 64/s in the main process ({cached} images' Lite0 rows cached)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
