@@ -1,8 +1,8 @@
 """The data side of training at COCO's size, on a synthetic Karpathy split of its exact shape: 113,287 training images
 (restval included), 5,000 val and 5,000 test, five captions each (`fit.py`'s captions and linked JPEG files).
 
-    python benchmarks/coco_scale.py                  # full size (about 3 minutes of writing the data the first time)
-    python benchmarks/coco_scale.py --size 0.05      # a twentieth of it (`make bench`'s size)
+    python benchmarks/coco_scale.py --size 1         # full size: minutes, and 13.2 GiB of temporary cache file
+    python benchmarks/coco_scale.py                  # a twentieth of it (`make bench`'s size)
 
 It times, with `configs/coco_lite0.yaml`'s data options:
 - `setup("fit")` the first time (the vocabulary built) and again (the vocabulary read), and `setup("test")`, with the
@@ -92,7 +92,7 @@ def loader_rate(root: Path, cache_rows: int | None, batches: int = 300) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=float, default=1.0, help="a fraction of COCO's size")
+    parser.add_argument("--size", type=float, default=0.05, help="a fraction of COCO's size (1: full size)")
     parser.add_argument("--cache-rows", type=int, default=None, help="cap the loader's cache at this many images")
     parser.add_argument("--folder", help="where to write the data (default: a temporary folder)")
     options = parser.parse_args()

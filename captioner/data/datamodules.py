@@ -196,7 +196,8 @@ class CaptionDataModule(L.LightningDataModule):
     Args:
         data_dir: where the data, its vocabulary and the feature cache live.
         batch_size: images (or caption pairs) per batch.
-        num_workers: DataLoader workers for image loading (cached features are read in the main process).
+        num_workers: DataLoader workers for image loading (cached features are read in the main process, one read of
+            its rows per batch: the random caption draws and the resume stay in this process).
         feature_cache: cache the annotations of a frozen encoder on disk.
         train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
         min_word_count: words seen fewer times in the training captions become <unk>.
