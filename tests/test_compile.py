@@ -43,6 +43,13 @@ def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again(tmp_path)
         assert torch.equal(greedy_search(compiled, a, **SPECIAL).tokens, greedy_search(eager, a, **SPECIAL).tokens)
     assert len(lengths) > 1  # the captions' lengths differed
     assert after_one == 2 and len(graphs) == 3, graphs  # beam 3 of one image: 1 row, then 3; greedy of three: 3 rows
+    # Past Dynamo's default limit of 8 graphs for the step (which every compiled decoder shares), the searches still
+    # compile each new shape rather than run it uncompiled: beam 3 of 2 to 7 images, 11 graphs more (the first word
+    # of three images has the shapes of the greedy search of three, compiled already).
+    with torch.inference_mode():
+        for images in range(2, 8):
+            beam_search(compiled, torch.randn(images, 9, 16, generator=generator), beam_size=3, **SPECIAL)
+    assert len(graphs) == 14, graphs
 
 
 @pytest.fixture(scope="module")

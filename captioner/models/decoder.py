@@ -23,10 +23,10 @@ from captioner.models.attention import Scorer, attend, build_scorer
 
 Gate = Literal["scalar", "channel", "none"]  # a type: LightningCLI refuses other values and lists these in --help
 GATES = get_args(Gate)
-# Each shape the compiled step meets (the first word's rows and the later words' per number of images, beam size and
-# search) is a graph of its own: more than Dynamo's default of 8, after which it would run the step uncompiled (with
-# a warning). The limit is raised for the compiled calls only, and restored after each (torch.compiler has no public
-# knob for it).
+# Each shape a compiled step meets (the search's first word's rows and the later words' per number of images, beam
+# size and search; the training step's caption buckets) is a graph of its own: more than Dynamo's default of 8, after
+# which it would run the step uncompiled (with a warning). The limit is raised around the compiled calls only, and
+# restored after (torch.compiler has no public knob for it).
 RECOMPILE_LIMIT = 64
 
 
@@ -239,21 +239,16 @@ class AttentionDecoder(nn.Module):
 
         Static shapes by default: a graph per shape the step meets (the first word's rows, one per image, and the
         later words' rows, one per hypothesis, for each number of images and beam size), compiled at its first call,
-        and then run with no recompiling whatever the images or the captions' lengths. With `mode="reduce-overhead"`
+        and then run with no recompiling whatever the images or the captions' lengths (the searches raise Dynamo's limit
+        of 8 graphs per function, which every compiled decoder's graphs share, to RECOMPILE_LIMIT while they run:
+        `captioner.models.decoding.compiled_calls`). With `mode="reduce-overhead"`
         (on CUDA, `Captioner`'s choice) each graph is captured as a CUDA graph and replayed. The searches run
         sync-free with a compiled decoder: the shrinking batch's shapes change with the data, and would compile at
         every new shape. Not in the paper, and off by default: `Captioner.load(..., compile_decoder=True)` turns it
         on for captioning (docs/benchmarks.md). On a CPU, Inductor needs a C++ compiler. Returns the decoder;
         calling it again does nothing."""
-        if self.compiled:
-            return self
-        compiled = torch.compile(self.step, **({"dynamic": False} | options))
-
-        def step(*args):
-            with recompile_limit():
-                return compiled(*args)
-
-        self.step = step  # an instance attribute hides the method
+        if not self.compiled:  # an instance attribute hides the method
+            self.step = torch.compile(self.step, **({"dynamic": False} | options))
         return self
 
     @property

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from captioner.errors import ConfigError
-from captioner.models.decoder import AttentionDecoder
+from captioner.models.decoder import AttentionDecoder, recompile_limit
 
 # Beam search ranks hypotheses by log-probability / length**LENGTH_PENALTY. Ranked by the raw sum (0), every word
 # costs probability, so short captions win: on a weak model, beam search ends after two words where greedy search
@@ -59,6 +60,21 @@ class Generation:
     alphas: torch.Tensor
 
 
+def compiled_calls(search):
+    """A search that raises Dynamo's recompile limit while it runs, when its decoder's step is compiled
+    (`AttentionDecoder.compile_steps`): once per search, not per word (40 us a word on a CPU)."""
+
+    @functools.wraps(search)
+    def run(decoder, *args, **kwargs):
+        if not getattr(decoder, "compiled", False):
+            return search(decoder, *args, **kwargs)
+        with recompile_limit():
+            return search(decoder, *args, **kwargs)
+
+    return run
+
+
+@compiled_calls
 def greedy_search(
     decoder: AttentionDecoder,
     annotations: torch.Tensor,
@@ -73,7 +89,7 @@ def greedy_search(
 
     Two ways to the same captions (`sync_free`: by default on CUDA and compiled, see `sync_free_default`):
     - the batch shrinks as captions end: the decoder only runs the captions still being written, and the host reads
-      at every word which have ended (the CPU's way: 1.35x faster there at batch 64, docs/benchmarks.md);
+      at every word which have ended (the CPU's way: 1.45x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
       read once every `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in
       between.
@@ -121,6 +137,7 @@ def greedy_search(
     return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
 
 
+@compiled_calls
 def beam_search(
     decoder: AttentionDecoder,
     annotations: torch.Tensor,
@@ -149,7 +166,7 @@ def beam_search(
     - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
       image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
       decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
-      1.21x faster there at batch 64, docs/benchmarks.md);
+      1.54x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every image and hypothesis runs every step, and whether all have finished is read once every
       `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in between.
     """
