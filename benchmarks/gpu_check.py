@@ -3,6 +3,7 @@ H100 or H200, and smoke-tested on a CPU first so that scarce GPU minutes are spe
 
     bash benchmarks/gpu_deps.sh                                          # here: .gpu_deps/, what the GPU machine lacks
     PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --out "$OUT"   # there, in the repository's root
+    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=preflight,fit --out "$OUT"   # some parts
     python benchmarks/gpu_check.py --smoke                               # here: every part, tiny, on the CPU
 
 Parts, most needed first, each a process with its own time limit (a part that runs over is stopped and reported, and
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes on the CPU: checks the script")
     parser.add_argument("--out", default=None, help="folder for each part's output and the summary")
     parser.add_argument("--part", help="run this part alone, in this process (what the check's processes run)")
+    parser.add_argument("--parts", help="the parts to run, by name, comma-separated (default: all, in order)")
     options = parser.parse_args()
     if options.part == "preflight":
         return preflight()
@@ -186,6 +188,11 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     )
+    if options.parts:
+        chosen = options.parts.split(",")
+        if unknown := set(chosen) - {name for name, _, _ in parts}:
+            parser.error(f"no part named {', '.join(sorted(unknown))}")
+        parts = [row for row in parts if row[0] in chosen]
     summary: list[dict] = []
     for name, command, limit in parts:
         if not part(name, command, limit, out, summary) and name == "preflight":
