@@ -51,8 +51,16 @@ def setup_run(root: Path, stage: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def loader_rate(root: Path, cache_rows: int | None, batches: int = 300) -> tuple[float, int]:
-    """Batches of 64 per second of the training loader over a Lite0-shaped cache, read in the main process."""
+ROWS = {  # the feature cache's row of one image: (P, E), dtype
+    "lite0": ((49, 1280), np.float16),  # configs/coco_lite0.yaml
+    "paper": ((196, 2048), np.float16),  # configs/coco_resnet101.yaml, a pretrained encoder
+    "paper32": ((196, 2048), np.float32),  # the same, annotations beyond float16's range (fit.py's untrained encoder)
+}
+
+
+def loader_rate(root: Path, cache_rows: int | None, rows_of: str = "lite0", batches: int = 300) -> tuple[float, int]:
+    """Batches of 64 per second of the training loader over a cache of `ROWS[rows_of]` rows, read in the main
+    process."""
     import torch
 
     from captioner.data.datamodules import CocoDataModule, _Inputs
@@ -61,12 +69,14 @@ def loader_rate(root: Path, cache_rows: int | None, batches: int = 300) -> tuple
     module.setup("fit")
     dataset = module.datasets["train"]
     rows = len(dataset.source) if cache_rows is None else min(cache_rows, len(dataset.source))
-    path = root / "lite0_rows.npy"
-    if not path.exists() or np.load(path, mmap_mode="r").shape != (rows, 49, 1280):  # a later run reuses it
-        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(rows, 49, 1280))
+    shape, dtype = ROWS[rows_of]
+    path = root / f"{rows_of}_rows.npy"
+    if not path.exists() or np.load(path, mmap_mode="r").shape != (rows, *shape):  # a later run reuses it
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(rows, *shape))
         generator = np.random.default_rng(0)
-        for start in range(0, rows, 1024):  # random values, written in blocks
-            array[start : start + 1024] = generator.standard_normal((min(1024, rows - start), 49, 1280), np.float32)
+        block = max(1, 2**27 // array[0].nbytes)
+        for start in range(0, rows, block):  # random values, written in blocks
+            array[start : start + block] = generator.standard_normal((min(block, rows - start), *shape), np.float32)
         array.flush()
         del array
     with path.open("rb") as file:  # read once in order: the timed reads find it in the page cache, as in training
@@ -81,7 +91,12 @@ def loader_rate(root: Path, cache_rows: int | None, batches: int = 300) -> tuple
         dataset.items = [dataset.items[i] for i in keep]
     loader = module._loader("train", shuffle=True)
     torch.manual_seed(0)
-    iterator = iter(loader)
+
+    def epochs():  # as many epochs as the batches take (a capped cache has few)
+        while True:
+            yield from loader
+
+    iterator = epochs()
     for _ in range(20):  # warm up: the first batches fault the rows' pages in
         next(iterator)
     start = time.perf_counter()
@@ -94,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=float, default=0.05, help="a fraction of COCO's size (1: full size)")
     parser.add_argument("--cache-rows", type=int, default=None, help="cap the loader's cache at this many images")
+    parser.add_argument("--rows", choices=sorted(ROWS), default="lite0", help="the loader's cache rows (see ROWS)")
+    parser.add_argument("--loader-only", action="store_true", help="leave out the setup table")
     parser.add_argument("--folder", help="where to write the data (default: a temporary folder)")
     options = parser.parse_args()
     counts = {split: max(1, round(n * options.size)) for split, n in COCO.items()}
@@ -108,7 +125,9 @@ def main() -> None:
         for vocabulary in root.glob("vocab-*.json"):
             vocabulary.unlink()  # the first setup builds it
         rows = []
-        for name, stage in (("fit, first", "fit"), ("fit, again", "fit"), ("test", "test")):
+        for name, stage in (
+            () if options.loader_only else (("fit, first", "fit"), ("fit, again", "fit"), ("test", "test"))
+        ):
             record = setup_run(root, stage)
             rows.append(
                 {
@@ -119,10 +138,15 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-        rate, cached = loader_rate(root, options.cache_rows)
-    print(f"\nsetup at {options.size:g} of COCO's size (import time excluded)\n")
-    print(table(rows))
-    print(f"\ntraining loader: {rate:.0f} batches of 64/s in the main process ({cached} images' Lite0 rows cached)")
+        rate, cached = loader_rate(root, options.cache_rows, options.rows)
+    if rows:
+        print(f"\nsetup at {options.size:g} of COCO's size (import time excluded)\n")
+        print(table(rows))
+    shape, dtype = ROWS[options.rows]
+    print(
+        f"\ntraining loader: {rate:.0f} batches of 64/s in the main process ({cached} images' rows cached, "
+        f"{'x'.join(map(str, shape))} {np.dtype(dtype).name}: {options.rows})"
+    )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def timed(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    """A Markdown table of rows that share their keys."""
-    keys = list(rows[0])
+    """A Markdown table of the rows' keys (the first row's, then any others'); a key a row lacks is an empty cell."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
     lines = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in rows])
+    return "\n".join(lines + ["| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows])

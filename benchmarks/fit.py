@@ -3,7 +3,7 @@
 clipping, both loggers, checkpoints, early stopping, the progress bar), run through the CLI in a new process, on a
 synthetic Karpathy split of COCO's shape. And, in the same run, the compiled training step alone.
 
-    python benchmarks/fit.py                   # on a CUDA machine: 5,000 training images, 500 val, 3 epochs
+    python benchmarks/fit.py                   # on a CUDA machine: 5,000 training images, 300 val, 3 epochs
     python benchmarks/fit.py --images 20000    # larger (the feature cache takes 157 KiB per image in float16)
     python benchmarks/fit.py --smoke           # tiny, on the CPU: checks the script; its figures mean nothing
 
@@ -16,7 +16,9 @@ linked under every file name: every image is read and decoded as a real one woul
 It reports:
 - setup: from the reading of the config to the first training batch (reading the split, the vocabulary, building the
   feature cache of the training and validation images), and the images cached per second of it;
-- training captions/s of each epoch (the first compiles the step's shapes; the later ones are the figure);
+- training captions/s of each epoch (the first compiles the step's shapes; the later ones are the figure), and where
+  the host's time goes per step: between steps (the loader's next batch, its copy to the device, Lightning's loop) and
+  within (the step's queueing, and any wait for the device);
 - validation: seconds per 1,000 images (the loss and a greedy decode of every image, then the corpus scores);
 - the compiled step alone at the same sizes and precision (forward, loss, backward, clipping at 5, Adam, under
   bfloat16 autocast, as Lightning's bf16-mixed runs it), captions/s, and the fit's share of it.
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -124,11 +127,22 @@ class FitTimes(Callback):
         if self.record["setup"] is None:
             self.record["setup"] = now - START
         self.record["epochs"].append({"training": 0.0, "captions": 0, "validation": 0.0, "images": 0})
-        self.since = now
+        self.record["epochs"][-1] |= {"steps": 0, "in_step": 0.0, "between_steps": 0.0}
+        self.since = self.step_end = now
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # The host's time, no device read: from a step's end to the next one's start (the loader's next batch, its
+        # copy to the device, the loop) and within the step (queueing its work, and any wait for the device in it)
+        self.step_start = time.perf_counter()
+        self.record["epochs"][-1]["between_steps"] += self.step_start - self.step_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.step_end = time.perf_counter()
+        epoch = self.record["epochs"][-1]
+        epoch["in_step"] += self.step_end - self.step_start
+        epoch["steps"] += 1
         if batch:
-            self.record["epochs"][-1]["captions"] += batch["captions"].size(0)  # a shape: no read of the device
+            epoch["captions"] += batch["captions"].size(0)  # a shape: no read of the device
 
     def on_validation_start(self, trainer, pl_module):
         if self.record["epochs"] and not trainer.sanity_checking:
@@ -145,14 +159,77 @@ class FitTimes(Callback):
             now = self._now(pl_module)
             self.record["epochs"][-1]["validation"] += now - self.since
             self.since = now
+            self._report()
+
+    def _report(self) -> None:
+        """Each epoch's figures as soon as it ends, and the record so far: a run stopped early keeps them."""
+        print(f"\nFitTimes: setup {self.record['setup']:.1f} s; {self.record['epochs'][-1]}", flush=True)
+        Path(self.output).write_text(json.dumps(self.record))
 
     def on_train_epoch_end(self, trainer, pl_module):
         if not trainer.val_dataloaders or trainer.limit_val_batches == 0:  # no validation closed the segment
             now = self._now(pl_module)
             self.record["epochs"][-1]["training"] += now - self.since
+            self._report()
 
     def on_fit_end(self, trainer, pl_module):
         Path(self.output).write_text(json.dumps(self.record))
+
+
+class SyncStretch(Callback):
+    """Watches `steps` training steps of epoch `epoch`, starting at the first step after a logging step, and writes
+    to `output` (JSON) each operation that made the host wait for the device, with where it ran: on CUDA through
+    torch.cuda.set_sync_debug_mode("warn"), elsewhere through tests/host_syncs.py's HostSyncs (torch's Adam step
+    counts and FiniteLosses' host buffer count as host memory, as on CUDA). The stretch ends before the next logging
+    step, whose reads are the loggers' (README, "Speed")."""
+
+    def __init__(self, output: str, epoch: int = 1, steps: int = 40):
+        self.output, self.epoch, self.steps = output, epoch, steps
+        self.first: int | None = None
+        self.watch = None
+        self.seen: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        every = trainer.log_every_n_steps
+        if self.first is None and trainer.current_epoch == self.epoch and trainer.global_step % every == 0:
+            if self.steps >= every:
+                raise ValueError(f"a stretch of {self.steps} steps would include a logging step (every {every})")
+            self.first = trainer.global_step
+            self._start(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.watch is not None and trainer.global_step - self.first == self.steps:  # global_step: steps done
+            self._stop(trainer)
+
+    def _start(self, trainer, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            self.watch = warnings.catch_warnings(record=True)
+            self.caught = self.watch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            sys.path.insert(0, str(REPO))
+            from tests.host_syncs import HostSyncs
+
+            optimizer = trainer.optimizers[0]
+
+            def on_the_host():
+                return [state["step"] for state in optimizer.state.values()] + [pl_module.finite_losses.host]
+
+            self.watch = HostSyncs(on_the_host)
+            self.watch.__enter__()
+
+    def _stop(self, trainer) -> None:
+        if isinstance(self.watch, warnings.catch_warnings):
+            torch.cuda.set_sync_debug_mode(0)
+            self.seen = [f"{w.filename}:{w.lineno}: {w.message}" for w in self.caught if "synchroniz" in str(w.message)]
+            self.watch.__exit__(None, None, None)
+        else:
+            self.watch.__exit__(None, None, None)
+            self.seen = [f"{where}: {what}" for what, where in self.watch.seen]
+        self.watch = None
+        record = {"first_step": self.first, "steps": self.steps, "waits": self.seen}
+        Path(self.output).write_text(json.dumps(record, indent=1))
 
 
 def fit_command(root: Path, epochs: int, smoke: bool, *extra: str) -> list[str]:
@@ -183,12 +260,23 @@ def run_in(root: Path, command: list[str]) -> None:
     subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, check=True)
 
 
-def run_fit(root: Path, epochs: int, smoke: bool) -> dict:
-    """The fit in `root`, where the data are, with FitTimes: what it recorded."""
+def run_fit(root: Path, epochs: int, smoke: bool, sync_stretch: bool = False) -> dict:
+    """The fit in `root`, where the data are, with FitTimes (and SyncStretch in its second epoch): what they
+    recorded."""
     times = root / "times.json"
     timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
-    run_in(root, fit_command(root, epochs, smoke, f"--trainer.callbacks+={timer}"))
-    return json.loads(times.read_text())
+    extra = [f"--trainer.callbacks+={timer}"]
+    if sync_stretch:
+        steps, every = (3, 5) if smoke else (40, 50)
+        watch = {"class_path": "fit.SyncStretch", "init_args": {"output": str(root / "stretch.json"), "steps": steps}}
+        extra += [f"--trainer.callbacks+={json.dumps(watch)}", f"--trainer.log_every_n_steps={every}"]
+        if smoke:  # the fixed-shape step, as on CUDA (Dynamo's capture without code generation)
+            extra += ["--model.compile=true", "--model.compile_backend=eager"]
+    run_in(root, fit_command(root, epochs, smoke, *extra))
+    record = json.loads(times.read_text())
+    if sync_stretch:
+        record["stretch"] = json.loads((root / "stretch.json").read_text())
+    return record
 
 
 def isolated_step(device: torch.device, smoke: bool, batch: int = 64) -> float:
@@ -228,9 +316,12 @@ def isolated_step(device: torch.device, smoke: bool, batch: int = 64) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=5000, help="training images (a fifth of them as restval)")
-    parser.add_argument("--val", type=int, default=500, help="validation images (as many test images are written)")
+    parser.add_argument("--val", type=int, default=300, help="validation images (as many test images are written)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs: the first compiles, the later ones are timed")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
+    parser.add_argument(
+        "--sync-stretch", action="store_true", help="list the host's waits for the device in 40 steps of epoch 1"
+    )
     parser.add_argument("--folder", help="where to write the data and run (default: a temporary folder, removed)")
     options = parser.parse_args()
     if options.smoke:
@@ -242,6 +333,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run: not a measurement)"
     print(f"# fit.py on {name}; {machine()}\n", flush=True)
 
+    step = isolated_step(device, options.smoke)  # first: its figure is kept if the fit runs out of time
+    print(f"the compiled step alone (B=64): {step:.0f} captions/s", flush=True)
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(options.folder or temporary).resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -250,7 +343,7 @@ def main() -> None:
         start = time.perf_counter()
         total = write_split(root, counts)
         print(f"wrote {total} images' split and files in {time.perf_counter() - start:.1f} s", flush=True)
-        record = run_fit(root, options.epochs, options.smoke)
+        record = run_fit(root, options.epochs, options.smoke, options.sync_stretch)
 
     cached = options.images + options.val
     rows = [{"phase": "setup (split, vocabulary, feature cache)", "seconds": f"{record['setup']:.1f}"}]
@@ -258,11 +351,13 @@ def main() -> None:
     for i, epoch in enumerate(record["epochs"]):
         rate = epoch["captions"] / epoch["training"] if epoch["training"] else float("nan")
         note = " (compiling)" if i == 0 else ""
+        per_step = {key: 1000 * epoch[key] / max(1, epoch["steps"]) for key in ("between_steps", "in_step")}
         rows.append(
             {
                 "phase": f"epoch {i}: training{note}",
                 "seconds": f"{epoch['training']:.1f}",
                 "figure": f"{rate:.0f} captions/s",
+                "host ms per step: loader and loop, step": "{between_steps:.1f}, {in_step:.1f}".format(**per_step),
             }
         )
         if epoch["images"]:
@@ -274,13 +369,17 @@ def main() -> None:
                     "figure": f"{per_thousand:.1f} s per 1,000 images",
                 }
             )
-    step = isolated_step(device, options.smoke)
     last = record["epochs"][-1]
     fit_rate = last["captions"] / last["training"]
     rows.append({"phase": "the compiled step alone (B=64)", "seconds": "", "figure": f"{step:.0f} captions/s"})
     print(f"\n`captioner fit --config configs/coco_resnet101.yaml`, {options.images} training images\n")
     print(table(rows))
     print(f"\nthe fit's last epoch trains at {fit_rate / step:.2f}x the compiled step alone", flush=True)
+    if "stretch" in record:
+        stretch = record["stretch"]
+        print(f"\n{len(stretch['waits'])} host waits in {stretch['steps']} steps from step {stretch['first_step']}:")
+        for line in stretch["waits"]:
+            print(" ", line)
 
 
 if __name__ == "__main__":

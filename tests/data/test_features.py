@@ -298,3 +298,28 @@ def test_batches_read_in_one_go_from_the_cache_are_the_item_by_item_batches(tmp_
                 assert torch.equal(batch[key], value) if torch.is_tensor(value) else batch[key] == value, key
         first = next(iter(loader))
         assert first["annotations"].shape[0] == 5 and first.keys() == batch.keys()
+
+
+def test_a_pinned_read_of_the_cache_gives_the_rows_numpy_reads(tmp_path, encoder, monkeypatch):
+    """Where CUDA is, a batch's rows are read by torch straight into memory asked for pinned (`_Inputs.rows`): the
+    same rows, in the same order, as numpy's indexed read; repeated and unsorted rows too. Checked on a CPU with the
+    pinning itself left out (it needs a CUDA driver): the allocation is asked for pinned, and is the tensor returned."""
+    module = ShapesDataModule(str(tmp_path), 12, 6, 4, batch_size=5, num_workers=0)
+    module.set_encoder(encoder)
+    module.setup("fit")
+    inputs = module.train_dataloader().dataset.inputs
+    asked, empty = [], torch.empty
+
+    def unpinned(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        asked.append(empty(*args, **kwargs))
+        return asked[-1]
+
+    monkeypatch.setattr(torch, "empty", unpinned)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for indices in ([3, 0, 7, 7, 11], [5], list(range(12))):
+        pinned = inputs.rows(indices)  # by default where CUDA is
+        assert asked[-2] is True and pinned is asked[-1]
+        want = inputs.rows(indices, pin=False)
+        assert want.dtype == pinned.dtype == torch.float16 and torch.equal(pinned, want)
+        assert torch.equal(want, torch.from_numpy(np.stack([np.asarray(inputs._array()[i]) for i in indices])))
