@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -75,6 +76,7 @@ class SelfCritical:
         samples: K, the captions drawn per image.
         baseline: "others" (the mean reward of the image's other samples) or "greedy" (its greedy caption's reward).
         max_len: the longest caption drawn, in words.
+        cache_dir: where CIDEr-D's document frequencies of the split are kept for later runs (`CiderD`).
     """
 
     def __init__(
@@ -84,8 +86,9 @@ class SelfCritical:
         samples: int = 5,
         baseline: str = "others",
         max_len: int = 30,
+        cache_dir: str | Path | None = None,
     ):
-        self.cider, self.vocab, self.baseline = CiderD(references), vocab, baseline
+        self.cider, self.vocab, self.baseline = CiderD(references, cache_dir), vocab, baseline
         self.samples, self.max_len = samples, max_len
 
     def rewards(self, captions: Sequence[Sequence[Sequence[str]]], images: Sequence[int]) -> torch.Tensor:

@@ -67,3 +67,55 @@ def test_the_split_s_cider_d_is_pycocoevalcap_s_corpus_score():
     gts = {i: [" ".join(r) for r in refs] for i, refs in enumerate(references)}
     expected = Cider().compute_score(gts, {i: [" ".join(c)] for i, c in enumerate(captions)})[0]
     assert cider(captions, references) == pytest.approx(expected, abs=1e-6) and expected > 0.1
+
+
+def test_the_document_frequencies_are_kept_in_a_file_that_later_runs_read_and_a_damaged_one_is_counted_again(
+    tmp_path, monkeypatch, caplog
+):
+    """`CiderD(references, cache_dir)` counts the corpus's document frequencies once and writes them to a file named
+    by the references; a later one reads the file instead of counting (the same scores as counting, to the bit), other
+    references get a file of their own, and an unreadable file is said in one warning and counted again."""
+    import captioner.cider as cider
+
+    split = ShapesDataset("val", 40)
+    references = [[tokenize(caption) for caption in split.captions(i)] for i in range(len(split))]
+    captions = [references[(i * 7) % 40][0][: 3 + i % 4] for i in range(40)]
+    counted = CiderD(references)
+    want = [counted(caption, i) for i, caption in enumerate(captions)]
+    assert max(want) > 1 and len(counted.idf) > 0
+
+    CiderD(references, cache_dir=tmp_path)
+    (stored,) = tmp_path.glob("cider-n40-*.npz")
+
+    def no_counting(_):
+        raise AssertionError("counted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cider, "document_frequencies", no_counting)
+        again = CiderD(references, cache_dir=tmp_path)
+        assert again.idf == counted.idf
+        assert [again(caption, i) for i, caption in enumerate(captions)] == want
+
+    CiderD(references[:30], cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("cider-*.npz"))) == 2
+
+    stored.write_bytes(stored.read_bytes()[:100])  # a torn file
+    with caplog.at_level("WARNING", logger="captioner.cider"):
+        recounted = CiderD(references, cache_dir=tmp_path)
+    assert [recounted(caption, i) for i, caption in enumerate(captions)] == want
+    assert (
+        len(caplog.records) == 1
+        and str(stored) in caplog.text
+        and "counting the document frequencies again" in caplog.text
+    )
+    assert CiderD(references, cache_dir=tmp_path).idf == counted.idf  # rewritten whole
+
+
+def test_a_folder_that_cannot_be_written_costs_one_warning_and_the_counting(tmp_path, caplog):
+    references = [[["a", "red", "circle"]], [["a", "blue", "square"]], [["a", "red", "square"]]]
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be: nothing can be written under it
+    with caplog.at_level("WARNING", logger="captioner.cider"):
+        scorer = CiderD(references, cache_dir=blocked / "data")
+    assert scorer.idf == CiderD(references).idf and scorer(["a", "red", "circle"], 0) > 1
+    assert len(caplog.records) == 1 and "cannot be written" in caplog.text and str(blocked) in caplog.text
