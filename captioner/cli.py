@@ -277,7 +277,9 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
 
 def evaluate(argv: list[str]) -> None:
     """Decode each image of a split once and score it with the coco-caption metrics (pycocoevalcap), the share of
-    captions that are one of their references word for word, and on shapes attention correctness and its ceiling."""
+    captions that are one of their references word for word, how peaked each word's attention is (the share in its
+    strongest tenth of the grid, and its entropy over uniform's, over all words and over content words), and on shapes
+    attention correctness and its ceiling."""
     parser = _parser(
         evaluate,
         epilog="Options of the data, as in `captioner fit`, override the config's: --data.init_args.data_dir=...",
@@ -302,7 +304,7 @@ def evaluate(argv: list[str]) -> None:
 
     from captioner.data.vocab import detokenize, tokenize
     from captioner.lightning_cli import load_module
-    from captioner.metrics import attention_peaks, coco_caption_scores, decode_batch
+    from captioner.metrics import coco_caption_scores, decode_batch, peakedness_scores
 
     module = load_module(args.checkpoint).eval()  # first: a missing or foreign checkpoint is named in one line
     datamodule = _evaluation_data(args.config, args.checkpoint, overrides)
@@ -312,20 +314,19 @@ def evaluate(argv: list[str]) -> None:
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
     hypotheses, references = {}, {}  # image id -> the caption's text; -> its references' texts
-    exact, peaks, masses, ceilings = [], [], [], []  # per image; per word; per object word (shapes)
+    exact, everything, masses, ceilings = [], [], [], []  # per image; per object word (shapes)
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if not batch:  # no readable image in the batch (each was reported)
             continue
         inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
         generation = module.model.generate(**inputs, **_decoding(args))
-        generation.alphas = generation.alphas.cpu()  # one copy from the device: decode_batch and the peaks read it
         decoded = decode_batch(batch, generation, module.vocab, module.model.encoder.grid_hw)
-        for image, alphas in zip(decoded, generation.alphas, strict=True):
+        everything += decoded
+        for image in decoded:
             image_id = source.image_id(image.index) if hasattr(source, "image_id") else image.index
             hypotheses[image_id] = detokenize(image.words)
             references[image_id] = source.captions(image.index)
             exact.append(image.words in image.references)
-            peaks += attention_peaks(alphas[: len(image.words)])
             masses += image.masses  # datasets with object boxes (shapes); empty lists for the others
             ceilings += image.ceilings
     if args.ptb_tokenizer:
@@ -336,9 +337,10 @@ def evaluate(argv: list[str]) -> None:
             words, {k: [" ".join(tokenize(c)) for c in v] for k, v in references.items()}, tokenized=True
         )
     scores["exact_reference"] = sum(exact) / max(len(exact), 1)  # captions that are one of their references
-    if peaks:  # how peaked attention is: a word's share in its strongest tenth of the grid, and uniform's
+    peaks = peakedness_scores(everything)  # how peaked each word's attention is, over all words and content words
+    if peaks:  # a word's share in its strongest tenth of the grid (and uniform's), its entropy over uniform's (1)
         P = module.model.encoder.num_pixels
-        scores["attention_top_tenth"] = sum(peaks) / len(peaks)
+        scores |= {name.replace("attn_", "attention_"): value for name, value in peaks.items()}
         scores["attention_top_tenth_uniform"] = math.ceil(P / 10) / P
     if masses:
         scores["attention_correctness"] = sum(masses) / len(masses)

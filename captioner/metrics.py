@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from nltk.translate.bleu_score import corpus_bleu
 
 from captioner.cider import CiderD
@@ -25,6 +26,19 @@ Box = tuple[int, int, int, int]  # x0, y0, x1, y1 in pixels
 Boxes = Sequence[Box | None]  # per word: the box of the object it names, or None
 
 
+# English words that name nothing in an image, whose attention may rightly look nowhere: the peakedness figures are
+# also given without them ("content words"). Captions in another language keep all their words.
+FUNCTION_WORDS = frozenset(
+    """a an the this that these those there here it its they them their he him his she her we our you your i me my
+    of on in at to for with without by from into onto over under above below near next beside behind between among
+    around through along across up down out off about against toward towards while as than then so very too also
+    and or but nor if because
+    is are was were be been being am has have had do does did can could will would may might should must
+    some any many much more most several each every other another few lots lot all both either neither no not
+    which who whom whose what where when how""".split()  # noqa: SIM905 (a block of words reads better than a list)
+)
+
+
 class Decoded(NamedTuple):
     """One image's caption in a validation or test, and what scores it."""
 
@@ -34,6 +48,8 @@ class Decoded(NamedTuple):
     masses: list[float]  # attention correctness of each word that names an object (datasets with boxes: shapes)
     baselines: list[float]  # what uniform attention scores on those words
     ceilings: list[float]  # the best that attention on the grid can score on them
+    peaks: Sequence[float] = ()  # per word: the share of its attention in its strongest tenth of cells (`peakedness`)
+    entropies: Sequence[float] = ()  # per word: its attention's entropy over uniform's, log P (`peakedness`)
 
 
 def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, size: int | None) -> tuple[list, ...]:
@@ -53,11 +69,13 @@ def decode_batch(batch: dict, generation, vocab: Vocabulary, grid_hw: tuple[int,
     # Flickr, UCM), where nothing reads them.
     boxed = any(objects is not None for objects in batch["objects"])
     alphas, decoded = generation.alphas.float().cpu() if boxed else None, []
+    peaks, entropies = torch.stack(peakedness(generation.alphas)).tolist()  # (B,T) each, in one copy
     for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
         words = vocab.decode_tokens(tokens)
         image_alphas = None if alphas is None else alphas[i]
         where = attention_scores(words, image_alphas, grid_hw, batch["objects"][i], batch["canvas"][i])
-        decoded.append(Decoded(index, words, batch["references"][i], *where))
+        n = len(words)
+        decoded.append(Decoded(index, words, batch["references"][i], *where, peaks[i][:n], entropies[i][:n]))
     return decoded
 
 
@@ -104,13 +122,32 @@ def attention_ceiling(boxes: Boxes, grid_hw: tuple[int, int], image_size: tuple[
     return attention_correctness(np.array(alphas).reshape(len(boxes), P), boxes, grid_hw, image_size)[0]
 
 
-def attention_peaks(alphas) -> list[float]:
-    """How peaked each word's attention is: the share of its weight (rows of `alphas` (T,P)) in its strongest tenth
-    of the grid's cells, ceil(P/10) of them. Uniform attention gives ceil(P/10)/P (0.102 on 7x7, on 14x14 too)."""
-    if len(alphas) == 0:
-        return []
-    k = math.ceil(alphas.shape[-1] / 10)
-    return [float(row.topk(k).values.sum() / row.sum()) for row in alphas.float()]
+def peakedness(alphas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How peaked each word's attention is, for attention weights (..., P) over P cells, computed where they are:
+    - the share of its weight in its strongest tenth of the cells, ceil(P/10) of them: uniform attention gives
+      ceil(P/10)/P (0.102 on 7x7, on 14x14 too), attention on one cell 1;
+    - its entropy over uniform attention's, H(alpha) / log P: 1 for uniform attention, 0 for one cell.
+    Rows of zeros (steps after a caption's end) give 0 and 0."""
+    alphas = alphas.float()
+    P = alphas.size(-1)
+    total = alphas.sum(-1)
+    top = alphas.topk(math.ceil(P / 10), dim=-1).values.sum(-1) / total.clamp_min(1e-12)
+    entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(-1)
+    return top, (entropy / math.log(P) if P > 1 else torch.zeros_like(entropy))
+
+
+def peakedness_scores(decoded: Sequence[Decoded]) -> dict[str, float]:
+    """The mean of `peakedness`'s two figures over every word of the captions, and over their content words (not
+    in FUNCTION_WORDS) alone: attn_top_tenth(_content), attn_entropy(_content). Empty without words."""
+    rows = (zip(d.words, d.peaks, d.entropies, strict=True) for d in decoded if d.peaks)  # scored captions' words
+    words = [row for caption in rows for row in caption]
+    content = [row for row in words if row[0] not in FUNCTION_WORDS]
+    scores = {}
+    for suffix, rows in (("", words), ("_content", content)):
+        if rows:
+            scores[f"attn_top_tenth{suffix}"] = sum(row[1] for row in rows) / len(rows)
+            scores[f"attn_entropy{suffix}"] = sum(row[2] for row in rows) / len(rows)
+    return scores
 
 
 def split_scores(decoded: Sequence[Decoded]) -> dict[str, float]:
@@ -127,7 +164,7 @@ def split_scores(decoded: Sequence[Decoded]) -> dict[str, float]:
         scores["attn_correctness"] = sum(masses) / len(masses)
         scores["attn_uniform_baseline"] = sum(baselines) / len(baselines)
         scores["attn_ceiling"] = sum(ceilings) / len(ceilings)
-    return scores
+    return scores | peakedness_scores(ordered)
 
 
 def bleu(hypotheses: Sequence[Tokens], references: Sequence[Sequence[Tokens]], n: int = 4) -> float:

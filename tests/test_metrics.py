@@ -34,26 +34,50 @@ def test_cider_d_of_a_two_image_corpus_by_hand():
     assert cider([], []) == 0.0
 
 
-def test_how_peaked_attention_is_is_a_word_s_share_in_its_strongest_tenth_of_the_grid():
+def test_how_peaked_attention_is_a_word_s_share_in_its_strongest_tenth_and_its_entropy_over_uniform_s():
     import torch
 
-    from captioner.metrics import attention_peaks
+    from captioner.metrics import peakedness
 
-    uniform, spot = torch.full((49,), 1 / 49), torch.zeros(49)
+    uniform, spot, zeros = torch.full((49,), 1 / 49), torch.zeros(49), torch.zeros(49)
     spot[7] = 1.0
     two = torch.zeros(196)
     two[:40] = 1 / 40  # 20 of its 40 cells are the strongest tenth of 196
-    assert attention_peaks(torch.stack([uniform, spot])) == pytest.approx([5 / 49, 1.0])
-    assert attention_peaks(two.unsqueeze(0)) == pytest.approx([0.5]) and attention_peaks(torch.zeros(0, 49)) == []
+    top, entropy = peakedness(torch.stack([uniform, spot, zeros]))
+    assert top.tolist() == pytest.approx([5 / 49, 1.0, 0.0]) and entropy.tolist() == pytest.approx([1.0, 0.0, 0.0])
+    top, entropy = peakedness(two.view(1, 1, 196))  # any leading dimensions: (B,T,P) -> (B,T)
+    assert top.shape == entropy.shape == (1, 1)
+    assert top.item() == pytest.approx(0.5) and entropy.item() == pytest.approx(math.log(40) / math.log(196))
 
 
-def test_a_batch_without_object_boxes_leaves_the_attention_weights_on_the_device():
-    """Validation scores attention only on datasets with object boxes (shapes): for the others (COCO, Flickr, UCM)
-    it copies no attention weights from the device."""
+def test_the_split_s_peakedness_is_over_all_words_and_over_content_words():
+    """A caption's function words ("a", "on", "the", FUNCTION_WORDS) are left out of the content-word figures."""
+    from captioner.metrics import Decoded, peakedness_scores
+
+    words = ["a", "red", "circle", "on", "the", "grass"]
+    peaks, entropies = [0.1, 0.6, 0.8, 0.1, 0.1, 0.5], [1.0, 0.4, 0.2, 1.0, 1.0, 0.6]
+    decoded = [Decoded(0, words, [], [], [], [], peaks, entropies), Decoded(1, [], [], [], [], [], [], [])]
+    scores = peakedness_scores(decoded)
+    assert scores["attn_top_tenth"] == pytest.approx(sum(peaks) / 6)
+    assert scores["attn_entropy"] == pytest.approx(sum(entropies) / 6)
+    assert scores["attn_top_tenth_content"] == pytest.approx((0.6 + 0.8 + 0.5) / 3)
+    assert scores["attn_entropy_content"] == pytest.approx((0.4 + 0.2 + 0.6) / 3)
+    assert peakedness_scores([Decoded(0, ["a", "the"], [], [], [], [], [0.1, 0.1], [1.0, 1.0])]).keys() == {
+        "attn_top_tenth",
+        "attn_entropy",
+    }
+    assert peakedness_scores(decoded[1:]) == {}
+
+
+def test_a_batch_without_object_boxes_copies_from_the_device_only_each_word_s_peakedness(monkeypatch):
+    """Validation scores attention correctness only on datasets with object boxes (shapes): for the others (COCO,
+    Flickr, UCM) it copies no attention weights from the device, only the two peakedness figures of each step, computed
+    there (`peakedness`), which each caption keeps for its words."""
     from types import SimpleNamespace
 
     import torch
 
+    import captioner.metrics as metrics
     from captioner.data.vocab import Vocabulary
     from captioner.metrics import decode_batch
 
@@ -61,10 +85,20 @@ def test_a_batch_without_object_boxes_leaves_the_attention_weights_on_the_device
         def __getattr__(self, name: str):
             raise AssertionError(f"alphas.{name}: the attention weights were read")
 
+    alphas = OnTheDevice()
+
+    def per_step(weights):
+        assert weights is alphas
+        return torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]]), torch.full((2, 4), 0.9)
+
+    monkeypatch.setattr(metrics, "peakedness", per_step)
     vocab = Vocabulary(["a", "red", "circle"])
-    generation = SimpleNamespace(tokens=torch.tensor([[4, 5, 6, 2], [4, 6, 2, 0]]), alphas=OnTheDevice())
+    generation = SimpleNamespace(tokens=torch.tensor([[4, 5, 6, 2], [4, 6, 2, 0]]), alphas=alphas)
     batch = {"index": torch.tensor([3, 7]), "objects": [None, None], "canvas": [None, None]}
     batch["references"] = [[["a", "red", "circle"]], [["a", "circle"]]]
     decoded = decode_batch(batch, generation, vocab, (7, 7))
     assert [d.index for d in decoded] == [3, 7] and all(d.masses == [] for d in decoded)
     assert [d.words for d in decoded] == [["a", "red", "circle"], ["a", "circle"]]
+    assert [len(d.peaks) for d in decoded] == [len(d.entropies) for d in decoded] == [3, 2]  # the words' steps
+    assert [*decoded[0].peaks, *decoded[1].peaks] == pytest.approx([0.1, 0.2, 0.3, 0.5, 0.6])
+    assert [*decoded[0].entropies, *decoded[1].entropies] == pytest.approx([0.9] * 5)
