@@ -5,8 +5,8 @@
     python benchmarks/coco_scale.py                  # a twentieth of it (`make bench`'s size)
 
 It times, with `configs/coco_lite0.yaml`'s data options:
-- `setup("fit")` the first time (the vocabulary built) and again (the vocabulary read), and `setup("test")`, with the
-  peak memory of each (each in a new process);
+- `setup("fit")` the first time (the encoded splits and the vocabulary built) and again (read), and `setup("test")`,
+  with the peak memory of each (each in a new process);
 - SCST's set-up, CIDEr-D over the training split's references (`captioner.cider.CiderD`), the first time (its document
   frequencies counted and written beside the data) and again (read), after a `setup("fit")` in the same process
   (its peak memory includes that setup's);
@@ -141,8 +141,8 @@ def main() -> None:
             start = time.perf_counter()
             write_split(root, counts)
             print(f"wrote the split and its files in {time.perf_counter() - start:.0f} s", flush=True)
-        for vocabulary in root.glob("vocab-*.json"):
-            vocabulary.unlink()  # the first setup builds it
+        for made in [*root.glob("vocab-*.json"), *root.glob("splits/*.npz")]:
+            made.unlink()  # the first setup builds them: the vocabulary, the encoded splits
         rows = []
         for cached in root.glob("cider-*.npz"):
             cached.unlink()  # the first SCST setup counts the document frequencies

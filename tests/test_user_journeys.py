@@ -128,7 +128,7 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     for i in range(min(3, len(test_split))):
         test_split.load_image(i).save(images / f"{i}.png")
     if path.stem == "ucm":  # and the dataset's own files, 256x256 TIFF
-        shutil.copy(test_split.records[0].image, images / "aerial.tif")
+        shutil.copy(test_split.image(0), images / "aerial.tif")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["caption", str(images), "--checkpoint", str(best)])

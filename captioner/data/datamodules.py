@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import warnings
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -15,7 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.data.coco import CaptionSet, clean, read_coco, read_custom, read_karpathy_splits
+from captioner.data.coco import CaptionSet, EncodedSplit, clean, read_coco, read_custom, read_karpathy_splits
 from captioner.data.features import FeatureCache, ImageSource
 from captioner.data.images import ImageError
 from captioner.data.shapes import ShapesDataset
@@ -99,30 +102,38 @@ class CaptionDataset(Dataset):
     def __init__(
         self,
         source: CaptionSource,
-        captions: list[list[list[int]]],
-        references: list[list[list[str]]],
+        captions: list[list[list[int]]] | tuple[np.ndarray, np.ndarray],
+        references: Sequence[list[list[str]]],
         mode: str,
         objects: list | None = None,
     ):
-        self.source, self.captions, self.references, self.mode = source, captions, references, mode
+        """`captions`: each image's captions as vocabulary ids, or, at once for every caption, the ids end to end and
+        each caption's length (`EncodedSplit.encode`), in the images' order with each image's number of captions
+        `references[i]` has."""
+        self.source, self.references, self.mode = source, references, mode
         self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
         self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
-        self.items = [(i, j) for i, caps in enumerate(captions) for j in range(len(caps))] if mode == "all" else None
         # Every caption's tokens in one array, for the batches: caption j of image i starts at starts[first[i] + j]
-        counts = np.array([len(caps) for caps in captions], dtype=np.int64)
-        self._first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        self._lengths = np.array([len(c) for caps in captions for c in caps], dtype=np.int64)
+        if isinstance(captions, tuple):
+            self._tokens, self._lengths = captions
+            self._counts = source.counts.astype(np.int64)
+        else:
+            self._counts = np.array([len(caps) for caps in captions], dtype=np.int64)
+            self._lengths = np.array([len(c) for caps in captions for c in caps], dtype=np.int64)
+            self._tokens = np.array([token for caps in captions for c in caps for token in c], dtype=np.int64)
+        self._first = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).astype(np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)
-        self._tokens = np.array([token for caps in captions for c in caps for token in c], dtype=np.int64)
+        counts = self._counts.tolist()
+        self.items = [(i, j) for i, n in enumerate(counts) for j in range(n)] if mode == "all" else None
 
     def __len__(self) -> int:
-        return len(self.items) if self.items is not None else len(self.captions)
+        return len(self.items) if self.items is not None else len(self._counts)
 
     def _pair(self, index: int) -> tuple[int, int]:
         """Item `index`'s (image, caption); in "random" mode the caption is drawn here, one draw per item."""
         if self.items is not None:
             return self.items[index]
-        return index, random.randrange(len(self.captions[index])) if self.mode == "random" else 0
+        return index, random.randrange(int(self._counts[index])) if self.mode == "random" else 0
 
     def _about(self, image: int) -> dict:
         """What evaluation reads of an image besides its input and caption; nothing for training."""
@@ -140,7 +151,9 @@ class CaptionDataset(Dataset):
         inputs = self.inputs(image)
         if inputs is None:
             return None
-        item = {"index": image, "input": inputs, "caption": torch.tensor(self.captions[image][caption])}
+        start = int(self._starts[self._first[image] + caption])
+        ids = self._tokens[start : start + int(self._lengths[self._first[image] + caption])]
+        item = {"index": image, "input": inputs, "caption": torch.from_numpy(ids.copy())}
         return item | self._about(image) | {"key": self.inputs.key}
 
     def __getitems__(self, indices: list[int]) -> dict:
@@ -198,6 +211,21 @@ def collate(items: list[dict | None] | dict) -> dict:
             batch[key] = [item[key] for item in items]
     batch["index"] = torch.tensor([item["index"] for item in items])
     return batch
+
+
+class _SplitTokens(Sequence):
+    """Each image's captions' tokens (`EncodedSplit.tokens`), made when an image's are read."""
+
+    def __init__(self, split: EncodedSplit):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> list[list[str]]:
+        if not 0 <= index < len(self.split):
+            raise IndexError(index)
+        return self.split.tokens(index)
 
 
 def _tokens(source: CaptionSource, index: int) -> list[list[str]]:
@@ -298,8 +326,11 @@ class CaptionDataModule(L.LightningDataModule):
         source = self.split(split)
         if getattr(source, "summary", None):  # what was skipped, said once, by the split that is used
             log.warning(source.summary)
-        references = [_tokens(source, i) for i in range(len(source))]  # each caption tokenized once
-        captions = [[self.vocab.encode(tokens) for tokens in caps] for caps in references]
+        if isinstance(source, EncodedSplit):  # encoded at once; each image's tokens made when read (SCST, evaluation)
+            references, captions = _SplitTokens(source), source.encode(self.vocab)
+        else:
+            references = [_tokens(source, i) for i in range(len(source))]  # each caption tokenized once
+            captions = [[self.vocab.encode(tokens) for tokens in caps] for caps in references]
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
         return CaptionDataset(source, captions, references, mode, objects)
 
@@ -480,11 +511,72 @@ class CocoDataModule(CaptionDataModule):
 
         prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls, self.checksums)
 
-    def make_split(self, split: str) -> CaptionSet:
+    def make_split(self, split: str) -> EncodedSplit:
+        """The split as `read_split` reads it, kept in a file under data_dir/splits/ named by the dataset's file
+        (its path, size and modification time) and the options that shape the split: later runs, and the other
+        processes of a DDP run, read that file instead (one process builds it, the others wait for it). A damaged file
+        is said in one warning and made again; a folder that cannot be written costs one warning, and the reading
+        in every run. A later run does not look for the image files again: one deleted since is reported when the
+        feature cache or a batch reads it."""
         # The vocabulary (and so the model) is built when the CLI starts, before Lightning calls prepare_data:
         # download here first. It is idempotent, so Lightning's own call later costs nothing.
         if self.download:
             self.prepare_data()
+        name, path = self._split_file(split)
+        if path is None:  # the dataset's file is missing: read_split names it
+            return EncodedSplit.from_caption_set(self.read_split(split), name)
+        try:
+            with build_lock(path):
+                if path.exists():
+                    try:
+                        return EncodedSplit.load(path)
+                    except ValueError as err:
+                        log.warning("%s: unreadable (%s); reading the split again", path, err)
+                encoded = EncodedSplit.from_caption_set(self.read_split(split), name)
+                encoded.save(path)
+            if self.format == "karpathy":  # its file holds every split, read now: keep the others too
+                for other in ("train", "val", "test"):
+                    other_name, other_path = self._split_file(other)
+                    if other not in self._splits and other_path is not None and not other_path.exists():
+                        with build_lock(other_path):
+                            try:
+                                if not other_path.exists():
+                                    EncodedSplit.from_caption_set(self.read_split(other), other_name).save(other_path)
+                            except ConfigError:  # a split with no usable image: said if and when it is used
+                                pass
+            return encoded
+        except OSError as err:  # the folder, the lock or the file cannot be written
+            log.warning("%s: cannot be written (%s); the split is read again in every run", path, err.strerror or err)
+            return EncodedSplit.from_caption_set(self.read_split(split), name)
+
+    def _split_file(self, split: str) -> tuple[str, Path | None]:
+        """The split's name, and the file that keeps it, named by the dataset's file (its path, size and modification
+        time) and the options that shape the split; None if the dataset's file is missing."""
+        name = f"{self.data_dir.name}-{self.format}-{split}"
+        source = self._source_file(split)
+        try:
+            stat = source.stat()
+        except OSError:
+            return name, None
+        options = [str(source.resolve()), stat.st_size, stat.st_mtime_ns, self.format, split, TOKENIZER_VERSION]
+        options += [str(self._images().resolve()), self.max_train_caption_len if split == "train" else None]
+        options += [self.year, self.val_fraction, self.test_fraction] if self.format != "karpathy" else []
+        key = hashlib.sha256(json.dumps(options).encode()).hexdigest()[:16]
+        return name, self.data_dir / "splits" / f"{name}-{key}.npz"
+
+    def _source_file(self, split: str) -> Path:
+        """The file that `split` is read from: its annotations, the Karpathy file or the captions file."""
+        if self.format == "coco":
+            return self.data_dir / "annotations" / f"captions_{'train' if split == 'train' else 'val'}{self.year}.json"
+        return self.data_dir / (self.split_file if self.format == "karpathy" else self.captions_file)
+
+    def _images(self) -> Path:
+        if self.format == "coco":
+            return self.data_dir
+        return self.data_dir / (self.image_root if self.format == "karpathy" else self.image_dir)
+
+    def read_split(self, split: str) -> CaptionSet:
+        """The split read from the dataset's files and cleaned (`clean`): what `make_split` keeps."""
         root = self.data_dir
         if self.format == "coco":
             part = "train" if split == "train" else "val"

@@ -1,0 +1,114 @@
+"""The encoded split (captioner.data.coco.EncodedSplit): each split of a real dataset read, cleaned and tokenized once,
+kept under data_dir/splits/, and read back by later runs as the same split."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import captioner.data.datamodules as datamodules
+from captioner.data.datamodules import CocoDataModule
+from tests.datasets import write_coco, write_custom, write_karpathy
+
+WRITERS = {"karpathy": write_karpathy, "coco": write_coco, "custom": write_custom}
+
+
+def module(root, fmt: str, **options) -> CocoDataModule:
+    extra = {"val_fraction": 0.25, "test_fraction": 0.25} if fmt == "custom" else {}
+    return CocoDataModule(str(root), format=fmt, min_word_count=1, num_workers=0, **extra, **options)
+
+
+def the_same(a, b) -> None:
+    """Two datamodules' datasets hold the same split: images, ids, texts, tokens, encoded captions, items."""
+    assert a.datasets.keys() <= b.datasets.keys()
+    for split, dataset in a.datasets.items():
+        other = b.datasets[split]
+        x, y = dataset.source, other.source
+        assert (x.identity, x.summary, len(x)) == (y.identity, y.summary, len(y)), split
+        for i in range(len(x)):
+            assert (x.image(i), x.image_id(i), x.captions(i), x.tokens(i)) == (
+                y.image(i),
+                y.image_id(i),
+                y.captions(i),
+                y.tokens(i),
+            )
+            assert list(dataset.references[i]) == list(other.references[i])
+        for name in ("_tokens", "_lengths", "_counts", "_first", "_starts"):
+            assert np.array_equal(getattr(dataset, name), getattr(other, name)), (split, name)
+        assert dataset.items == other.items and len(dataset) == len(other)
+
+
+@pytest.mark.parametrize("fmt", ["karpathy", "coco", "custom"])
+def test_a_later_setup_reads_the_encoded_split_and_gets_what_reading_the_dataset_gave(tmp_path, fmt, monkeypatch):
+    """The first setup reads the dataset's file and writes each split's file (a Karpathy file's three at once); a
+    second reads those files and never the dataset's, and gets the same splits, word for word, as a setup that
+    encodes each caption with the vocabulary one by one (`Vocabulary.encode`)."""
+    WRITERS[fmt](tmp_path)
+    first = module(tmp_path, fmt)
+    first.setup("fit")
+    made = sorted(path.name.split("-")[-2] for path in (tmp_path / "splits").glob("*.npz"))
+    assert made == (["test", "train", "val"] if fmt == "karpathy" else ["train", "val"])
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the dataset's file was read again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CocoDataModule, "read_split", unread)
+        again = module(tmp_path, fmt)
+        again.setup("fit")
+        if fmt == "karpathy":
+            again.setup("test")  # the test split too, and the vocabulary's file found without the training split
+    the_same(first, again)
+
+    for split, dataset in first.datasets.items():  # each caption as Vocabulary.encode gives it, one by one
+        read = first.read_split(split)
+        want = [first.vocab.encode(tokens) for i in range(len(read)) for tokens in read.tokens(i)]
+        got = [dataset._tokens[s : s + n].tolist() for s, n in zip(dataset._starts, dataset._lengths, strict=True)]
+        assert got == want and read.identity == dataset.source.identity
+
+
+def test_a_changed_dataset_file_or_option_is_a_new_encoded_split(tmp_path):
+    write_karpathy(tmp_path)
+    first = module(tmp_path, "karpathy")
+    first.setup("fit")
+    source = tmp_path / "dataset_coco.json"
+    source.write_text(source.read_text().replace("an orange cat", "a ginger cat"))
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    changed = module(tmp_path, "karpathy")
+    changed.setup("fit")
+    words = {w for i in range(len(changed.split("train"))) for c in changed.split("train").tokens(i) for w in c}
+    assert "ginger" in words and "orange" not in words
+    shorter = module(tmp_path, "karpathy", max_train_caption_len=9)
+    shorter.setup("fit")
+    assert len(list((tmp_path / "splits").glob("*-train-*.npz"))) == 3
+    assert shorter.split("train").identity != changed.split("train").identity
+
+
+def test_a_damaged_encoded_split_is_said_once_and_read_again_and_an_unwritable_folder_costs_one_warning(
+    tmp_path, caplog
+):
+    write_karpathy(tmp_path)
+    first = module(tmp_path, "karpathy")
+    first.setup("fit")
+    (train,) = (tmp_path / "splits").glob("*-train-*.npz")
+    train.write_bytes(train.read_bytes()[:200])  # torn
+    with caplog.at_level(logging.WARNING, logger=datamodules.__name__):
+        again = module(tmp_path, "karpathy")
+        again.setup("fit")
+    said = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(said) == 1 and str(train) in said[0] and "reading the split again" in said[0]
+    the_same(first, again)
+    assert module(tmp_path, "karpathy").split("train").identity == first.split("train").identity  # rewritten whole
+
+    caplog.clear()
+    for path in (tmp_path / "splits").iterdir():
+        path.unlink()
+    (tmp_path / "splits").rmdir()
+    (tmp_path / "splits").write_text("")  # a file where the folder should be
+    with caplog.at_level(logging.WARNING, logger=datamodules.__name__):
+        blocked = module(tmp_path, "karpathy")
+        blocked.setup("fit")
+    said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(said) == 2 and all("the split is read again in every run" in line for line in said)  # train, val
+    the_same(first, blocked)
