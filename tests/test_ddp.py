@@ -121,3 +121,26 @@ def test_a_non_finite_loss_in_one_process_stops_every_process_at_once_with_one_l
     assert errors and errors[0].startswith(f"error: {stage}/loss is nan at epoch 0, step "), result.stderr[-3000:]
     assert result.stderr.count(errors[0]) == 2 and "Traceback" not in result.stderr  # the same line from each
     assert "GPU available" in result.stderr and "Tip" not in result.stderr  # Lightning's lines, not its advertisements
+
+
+def test_under_ddp_the_encoded_splits_and_cider_s_frequencies_are_made_once_and_a_later_run_reads_them(tmp_path):
+    """The shipped configs/coco_lite0.yaml on a Karpathy file of real photos, two processes, self-critical training:
+    each split's file (data_dir/splits/) and CIDEr-D's document frequencies (cider-*.npz) are written once, by one
+    process while the other waits, and a second run of two processes reads them rather than making them again."""
+    from tests.data.test_coco import fit_args
+    from tests.datasets import write_karpathy
+
+    write_karpathy(tmp_path)
+    args = [*fit_args(tmp_path, "configs/coco_lite0.yaml", "--model.objective=scst"), *DDP]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def fit() -> dict[str, tuple[int, int]]:
+        command = [sys.executable, "-m", "captioner.cli", *args]
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        made = [*(tmp_path / "splits").glob("*.npz"), *tmp_path.glob("cider-*.npz")]
+        return {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in made}
+
+    first = fit()
+    assert sorted(name.split("-")[0] for name in first) == ["cider", *[tmp_path.name] * 3]  # train, val, test
+    assert fit() == first  # the same files, none written again
