@@ -238,7 +238,8 @@ class AttentionDecoder(nn.Module):
         and hypothesis runs every word, `captioner.models.decoding`), with `torch.compile(**options)`, in place.
 
         Static shapes by default: a graph per shape the step meets (the first word's rows, one per image, and the
-        later words' rows, one per hypothesis, for each number of images and beam size), compiled at its first call,
+        later words' rows, one per hypothesis, for each number of images and beam size, and the powers of two below it
+        that the batch shrinks to as images end: `beam_search`), compiled at its first call,
         and then run with no recompiling whatever the images or the captions' lengths (the searches raise Dynamo's limit
         of 8 graphs per function, which every compiled decoder's graphs share, to RECOMPILE_LIMIT while they run:
         `captioner.models.decoding.compiled_calls`). With `mode="reduce-overhead"`

@@ -167,8 +167,11 @@ def beam_search(
       image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
       decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
       1.54x faster there at batch 64, docs/benchmarks.md);
-    - sync-free: every image and hypothesis runs every step, and whether all have finished is read once every
-      `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in between.
+    - sync-free: every image and hypothesis runs every step, and what has finished is read once every `check_every`
+      words (`check_interval`: 8 on a GPU): the device never waits for the host in between. There, when the images
+      still searching fit in half the batch or less, the batch shrinks to the least power of two that holds them
+      (ended images fill the rest): a compiled step meets a few fixed shapes (64, 32, ... 1 images) rather than one
+      per number of images still searching.
     """
     B, P, _ = annotations.shape
     K = beam_size
@@ -232,14 +235,18 @@ def beam_search(
         record_alphas.append(step_alphas)
         input_rows = rows
 
-        if sync_free:  # the one host sync: every check_every words, when another word follows
-            if (t + 1) % check_every == 0 and t + 1 < max_len and bool(finished.all()):
-                break
-            continue
+        if sync_free and ((t + 1) % check_every or t + 1 == max_len):
+            continue  # the one host sync: every check_every words, when another word follows
         done = finished.view(A, K).all(dim=1)  # (A,)
         n_done = int(done.sum())
         if n_done == A:
             break
+        if sync_free:  # images leave only when the rest fit a power of two: few shapes (a compiled step's graphs)
+            size = 1 << (A - n_done - 1).bit_length()  # the least power of two >= the images still searching
+            if size >= A:
+                continue
+            done[done.nonzero().squeeze(1)[: size - (A - n_done)]] = False  # ended images that stay, to make size
+            n_done = A - size
         if n_done:  # these images can no longer change: record their result and leave the batch
             done_rows = done.repeat_interleave(K)
             final_scores[alive[done]] = scores[done]

@@ -251,3 +251,23 @@ def test_sync_free_search_equals_the_shrinking_search(end_bias, max_len, check_e
             assert torch.equal(got.lengths, want.lengths)
             assert torch.allclose(got.scores, want.scores, atol=1e-5)
             assert torch.allclose(got.alphas, want.alphas, atol=1e-6)
+
+
+@pytest.mark.parametrize("check_every", [1, CHECK_EVERY])
+def test_the_sync_free_search_shrinks_only_to_powers_of_two_and_finds_the_same_captions(check_every):
+    """Sync-free, the batch keeps its size until the images still searching fit in half of it, then shrinks to the
+    least power of two that holds them (ended images fill the rest): a compiled step meets a few fixed shapes. The
+    captions, scores and attention are the shrinking search's."""
+    decoder, annotations = random_decoder(), torch.randn(20, 9, 16)
+    decoder.L_o.bias.data[END] += 1.3  # captions of 3 to 24 words
+    with torch.inference_mode():
+        options = {"beam_size": 3, "max_len": 24, "length_penalty": 1.0, **SPECIAL}
+        want = beam_search(decoder, annotations, sync_free=False, **options)
+        counter = RowCounter(decoder)
+        got = beam_search(counter, annotations, sync_free=True, check_every=check_every, **options)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lengths, want.lengths)
+    assert torch.allclose(got.scores, want.scores, atol=1e-5) and torch.allclose(got.alphas, want.alphas, atol=1e-6)
+    images = [rows // 3 for rows in counter.rows[1:]]  # after the first word: 3 hypotheses per image
+    assert counter.rows[0] == 20 and images[0] == 20 and len(set(images)) > (2 if check_every == 1 else 1)  # shrank
+    assert all(n == 20 or n & (n - 1) == 0 for n in images)  # 20, then powers of two only
+    assert images == sorted(images, reverse=True)
