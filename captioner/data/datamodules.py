@@ -107,9 +107,10 @@ class CaptionDataset(Dataset):
         mode: str,
         objects: list | None = None,
     ):
-        """`captions`: each image's captions as vocabulary ids, or, at once for every caption, the ids end to end and
-        each caption's length (`EncodedSplit.encode`), in the images' order with each image's number of captions
-        `references[i]` has."""
+        """`captions`: each image's captions as vocabulary ids; or, for a `source` that is an `EncodedSplit`, every
+        caption's ids end to end and each caption's length (`EncodedSplit.encode`), image by image, `source.counts[i]`
+        captions for image i. `references`: each image's captions' tokens (a list, or `_SplitTokens`, which makes an
+        image's when they are read)."""
         self.source, self.references, self.mode = source, references, mode
         self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
         self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
