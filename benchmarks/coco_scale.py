@@ -77,9 +77,13 @@ ROWS = {  # the feature cache's row of one image: (P, E), dtype
 }
 
 
-def loader_rate(root: Path, cache_rows: int | None, rows_of: str = "lite0", batches: int = 300) -> tuple[float, int]:
-    """Batches of 64 per second of the training loader over a cache of `ROWS[rows_of]` rows, read in the main
-    process."""
+def loader_rate(
+    root: Path, cache_rows: int | None, rows_of: str = "lite0", batches: int = 300, step_ms: float = 6.0
+) -> dict[str, float]:
+    """The training loader over a cache of `ROWS[rows_of]` rows, read in the main process: batches of 64 per second
+    read when asked (prefetch 0: all of it on the step's time), and with the default prefetching thread, the
+    milliseconds the main process waits per batch when each batch is followed by a step of `step_ms` (a sleep, as
+    the host's wait for the device; the compiled step on one GPU takes about 6 ms a batch)."""
     import torch
 
     from captioner.data.datamodules import CocoDataModule, _Inputs
@@ -103,25 +107,37 @@ def loader_rate(root: Path, cache_rows: int | None, rows_of: str = "lite0", batc
             pass
     inputs = _Inputs.__new__(_Inputs)
     inputs.source, inputs.transform, inputs.bad, inputs.key = dataset.source, None, set(), "annotations"
-    inputs.cache = np.load(path, mmap_mode="r")
+    inputs.cache, inputs._tensor = np.load(path, mmap_mode="r"), None
     dataset.inputs = inputs
     if rows < len(dataset.source):  # only the cached images' items
         keep = [i for i, (image, _) in enumerate(dataset.items) if image < rows]
         dataset.items = [dataset.items[i] for i in keep]
-    loader = module._loader("train", shuffle=True)
     torch.manual_seed(0)
+    result = {}
+    for prefetch in (0, module.prefetch):
+        module.prefetch = prefetch
+        loader = module._loader("train", shuffle=True)
 
-    def epochs():  # as many epochs as the batches take (a capped cache has few)
-        while True:
-            yield from loader
+        def epochs(loader):  # as many epochs as the batches take (a capped cache has few)
+            while True:
+                yield from loader
 
-    iterator = epochs()
-    for _ in range(20):  # warm up: the first batches fault the rows' pages in
-        next(iterator)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    return batches / (time.perf_counter() - start), rows
+        iterator = epochs(loader)
+        for _ in range(20):  # warm up: the first batches fault the rows' pages in
+            next(iterator)
+        waited, start = 0.0, time.perf_counter()
+        for _ in range(batches):
+            asked = time.perf_counter()
+            next(iterator)
+            waited += time.perf_counter() - asked
+            if prefetch:
+                time.sleep(step_ms / 1000)
+        if prefetch:
+            result |= {"prefetch": prefetch, "wait_ms": 1000 * waited / batches, "step_ms": step_ms}
+        else:
+            result["rate"] = batches / (time.perf_counter() - start)
+        iterator.close()
+    return result | {"rows": rows}
 
 
 def main() -> None:
@@ -159,14 +175,17 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-        rate, cached = loader_rate(root, options.cache_rows, options.rows)
+        loader = loader_rate(root, options.cache_rows, options.rows)
     if rows:
         print(f"\nsetup at {options.size:g} of COCO's size (import time excluded)\n")
         print(table(rows))
     shape, dtype = ROWS[options.rows]
     print(
-        f"\ntraining loader: {rate:.0f} batches of 64/s in the main process ({cached} images' rows cached, "
-        f"{'x'.join(map(str, shape))} {np.dtype(dtype).name}: {options.rows})"
+        f"\ntraining loader ({loader['rows']} images' rows cached, {'x'.join(map(str, shape))} "
+        f"{np.dtype(dtype).name}: {options.rows}): {loader['rate']:.0f} batches of 64/s read when asked, in the "
+        f"main process; read ahead by its thread (prefetch {loader['prefetch']}), the main process waits "
+        f"{loader['wait_ms']:.3f} ms a batch between steps of {loader['step_ms']:g} ms "
+        f"({1000 / max(loader['wait_ms'], 1e-9):,.0f} batches/s of its own time)"
     )
 
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from captioner.data.coco import CaptionSet, EncodedSplit, clean, read_coco, read_custom, read_karpathy_splits
 from captioner.data.features import FeatureCache, ImageSource
 from captioner.data.images import ImageError
+from captioner.data.prefetch import PrefetchingLoader
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import TOKENIZER_VERSION, Vocabulary, tokenize
 from captioner.errors import ConfigError
@@ -249,6 +250,8 @@ class CaptionDataModule(L.LightningDataModule):
         batch_size: images (or caption pairs) per batch.
         num_workers: DataLoader workers for image loading (cached features are read in the main process, one read of
             its rows per batch: the random caption draws and the resume stay in this process).
+        prefetch: batches of cached features read ahead by a background thread while the step runs (0: each batch is
+            read when the step asks for it). The same batches either way (`captioner.data.prefetch`).
         feature_cache: cache the annotations of a frozen encoder on disk.
         train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
         min_word_count: words seen fewer times in the training captions become <unk>.
@@ -262,6 +265,7 @@ class CaptionDataModule(L.LightningDataModule):
         data_dir: str = "data",
         batch_size: int = 64,
         num_workers: int = 2,
+        prefetch: int = 2,
         feature_cache: bool = True,
         train_captions: Literal["all", "random"] = "all",
         min_word_count: int = 1,
@@ -274,8 +278,10 @@ class CaptionDataModule(L.LightningDataModule):
             raise ConfigError(f"train_captions must be 'all' or 'random', got {train_captions!r}")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        if prefetch < 0 or num_workers < 0:
+            raise ConfigError(f"num_workers and prefetch cannot be negative, got {num_workers} and {prefetch}")
         self.data_dir = Path(data_dir)
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
         self.feature_cache, self.train_captions = feature_cache, train_captions
         self.min_word_count, self.max_vocab_size = min_word_count, max_vocab_size
         self.encoder: Encoder | None = None
@@ -391,8 +397,9 @@ class CaptionDataModule(L.LightningDataModule):
             # encoder that is trained and saved: the one the model has now.
             dataset.inputs = self._inputs(split)
         workers = 0 if dataset.inputs.key == "annotations" else self.num_workers
-        return DataLoader(
+        return PrefetchingLoader(
             dataset,
+            prefetch=self.prefetch,
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=workers,

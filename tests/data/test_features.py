@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from functools import partial
 
 import numpy as np
@@ -323,3 +324,76 @@ def test_a_pinned_read_of_the_cache_gives_the_rows_numpy_reads(tmp_path, encoder
         want = inputs.rows(indices, pin=False)
         assert want.dtype == pinned.dtype == torch.float16 and torch.equal(pinned, want)
         assert torch.equal(want, torch.from_numpy(np.stack([np.asarray(inputs._array()[i]) for i in indices])))
+
+
+@pytest.mark.parametrize("mode", ["all", "random"])
+def test_prefetched_batches_are_the_batches_read_when_asked(tmp_path, encoder, mode):
+    """The loader of cached features reads batches ahead in a thread (`prefetch`): for one seed, the same batches in
+    the same order as reading each when asked (prefetch=0), the random caption draws included, epoch after epoch; and
+    the global generators end where they would."""
+    import random
+
+    from captioner.data.prefetch import _Prefetcher
+
+    def epochs(prefetch: int) -> tuple[list[dict], list]:
+        module = ShapesDataModule(str(tmp_path), 24, 6, 4, batch_size=5, num_workers=0, train_captions=mode)
+        module.prefetch = prefetch
+        module.set_encoder(encoder)
+        module.setup("fit")
+        loader = module.train_dataloader()
+        torch.manual_seed(0), random.seed(0)
+        batches = []
+        for _ in range(2):
+            iterator = iter(loader)
+            assert isinstance(iterator, _Prefetcher) == (prefetch > 0) and len(iterator) == len(loader)
+            batches += list(iterator)
+        assert len(batches) == 2 * len(loader) > 4
+        return batches, [torch.rand(1), random.random()]
+
+    (plain, plain_after), (ahead, ahead_after) = epochs(0), epochs(2)
+    for want, got in zip(plain, ahead, strict=True):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+    assert plain_after == ahead_after
+
+
+def test_a_prefetching_thread_ends_when_its_epoch_is_cut_short_and_passes_errors_on(tmp_path, encoder):
+    """An iterator dropped after a few batches (limit_train_batches) lets its thread end, rather than leave one thread
+    per epoch holding batches; an error in reading a batch is raised in the reader's thread, once."""
+    import gc
+    import threading
+
+    module = ShapesDataModule(str(tmp_path), 24, 6, 4, batch_size=2, num_workers=0)
+    module.set_encoder(encoder)
+    module.setup("fit")
+    loader = module.train_dataloader()
+    before = threading.active_count()
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    assert threading.active_count() == before + 1
+    del iterator
+    gc.collect()
+    for _ in range(50):
+        if threading.active_count() == before:
+            break
+        time.sleep(0.05)
+    assert threading.active_count() == before
+
+    dataset = loader.dataset
+    rows, calls = dataset.inputs.rows, []
+
+    def failing(indices, pin=None):
+        calls.append(indices)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return rows(indices, pin)
+
+    dataset.inputs.rows = failing
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    with pytest.raises(OSError, match="Input/output error"):
+        next(iterator)
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert threading.active_count() == before

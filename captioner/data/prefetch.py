@@ -1,0 +1,113 @@
+"""A DataLoader that reads its next batches in a background thread while the training step runs.
+
+The feature cache is read in the main process (one indexed read of a batch's rows: `CaptionDataset.__getitems__`),
+not in worker processes: a worker would copy each batch once more, into shared memory, and could not read it into
+pinned memory. Without prefetching, that read runs between two steps, and the device waits for it. Here one thread
+reads `prefetch` batches ahead; the reads release the GIL (numpy's indexed copy, torch's `index_select`), so the
+step's Python and the read overlap, and a batch is ready when the step asks for it.
+
+The batches are the same, in the same order: the thread runs the same iterator (sampler, fetch, pinning) that the
+loader would run in the main process. The first batch is read in the calling thread, so that the sampler's draw of
+its shuffling seed from the global generator happens where and when it would without prefetching; after that the
+iterator draws from its own generator, and the random caption draws of `train_captions: random` (Python's `random`)
+are made in order, batch after batch, by the one thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from torch.utils.data import DataLoader
+
+_END = object()  # the iterator is exhausted
+_POLL_S = 0.1  # how often a thread waiting for room in its queue looks whether its reader has gone
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _read_ahead(iterator: Iterator, batches: queue.Queue, stop: threading.Event) -> None:
+    """The thread: every batch of `iterator` into `batches`, then `_END` (or the error it raised). Holds no reference
+    to the `_Prefetcher`, so that one its reader drops (an epoch cut short by limit_train_batches) is collected, and
+    its `stop` ends this thread."""
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                batches.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in iterator:
+            if not put(batch):
+                return
+    except BaseException as error:  # raised again in the reader's thread
+        put(_Failure(error))
+        return
+    put(_END)
+
+
+class _Prefetcher:
+    """Iterates `iterator` `depth` batches ahead in a daemon thread (see the module's docstring)."""
+
+    def __init__(self, iterator: Iterator, depth: int):
+        self._iterator, self._depth = iterator, depth
+        self._batches: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._done = False
+
+    def __iter__(self) -> _Prefetcher:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        if self._thread is None:  # the first batch here, then the thread reads ahead
+            batch = next(self._iterator)
+            args = (self._iterator, self._batches, self._stop)
+            self._thread = threading.Thread(target=_read_ahead, args=args, name="captioner-prefetch", daemon=True)
+            self._thread.start()
+            return batch
+        item = self._batches.get()
+        if item is _END or isinstance(item, _Failure):
+            self._done = True
+            self._thread.join()
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop reading ahead (the thread ends within `_POLL_S`)."""
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class PrefetchingLoader(DataLoader):
+    """A DataLoader (`num_workers=0`) whose iterator reads `prefetch` batches ahead in a background thread; with
+    `prefetch=0`, or with worker processes (which prefetch by themselves), a plain DataLoader.
+
+    Lightning makes a copy of it under DDP (to give it a DistributedSampler): the copy prefetches the same way."""
+
+    def __init__(self, *args, prefetch: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefetch = prefetch
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        if self.prefetch < 1 or self.num_workers > 0:
+            return iterator
+        return _Prefetcher(iterator, self.prefetch)
