@@ -9,6 +9,7 @@ mode sees them at the dispatcher, where every tensor op passes, whatever its dev
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 
@@ -54,7 +55,8 @@ class HostSyncs(TorchDispatchMode):
         on_the_host: the tensors that stay in host memory when training runs on CUDA (reading them waits for
             nothing), as a function called at each read, for tensors made later: torch's Adam keeps its step counts
             on the host (unless fused or capturable), and `FiniteLosses` copies a step's loss into a host buffer.
-            Every other tensor is taken to be on the device.
+            Every other tensor is taken to be on the device, in the thread that entered the mode: a thread that
+            reads batches ahead (`captioner.data.prefetch`) makes them in host memory, and is not watched.
     """
 
     def __init__(self, on_the_host: Callable[[], Iterable[torch.Tensor]] = tuple):
@@ -62,8 +64,11 @@ class HostSyncs(TorchDispatchMode):
         self.seen: list[tuple[str, str]] = []
         self._originals: dict[str, object] = {}
         self.on_the_host = on_the_host
+        self._thread: int | None = None  # the thread that runs the steps; others build batches in host memory
 
     def _record(self, what: str) -> None:
+        if threading.get_ident() != self._thread:  # a loader's thread (`captioner.data.prefetch`): host tensors only
+            return
         frames = [f for f in traceback.extract_stack()[:-2] if "/captioner/" in f.filename.replace("\\", "/")]
         where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
         self.seen.append((what, where))
@@ -78,6 +83,7 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
+        self._thread = threading.get_ident()
         for name in HOST_COPIES:
             original = self._originals[name] = getattr(torch.Tensor, name)
 

@@ -47,6 +47,7 @@ FACTORS: dict[str, tuple] = {
     "size": ("tiny", "default"),
     "baseline": ("others", "greedy"),  # SCST's baseline: a value of its own only in SCST runs
     "devices": (1, 2),
+    "inputs": ("features", "image_cache"),  # the feature cache (where the encoder is frozen), or the image cache
 }
 Row = dict[str, object]
 
@@ -109,6 +110,7 @@ def name(row: Row) -> str:
         f"image{row['image_size']}",
         str(row["size"]),
         "ddp2" if row["devices"] == 2 else "1proc",
+        "imagecache" if row["inputs"] == "image_cache" else "featurecache",
     ]
     return "-".join(parts)
 
@@ -164,6 +166,8 @@ def options(row: Row, starts: dict[tuple[str, str], Path]) -> list[str]:
         args += ["--model.embed_dim=512", "--model.decoder_dim=512", "--model.attention_dim=512"]
     if row["devices"] == 2:
         args += ["--trainer.devices=2", "--trainer.strategy=ddp"]
+    if row["inputs"] == "image_cache":
+        args += ["--data.init_args.feature_cache=false", "--data.init_args.image_cache=true"]
     return args
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from captioner.data.coco import CaptionSet, EncodedSplit, clean, read_coco, read_custom, read_karpathy_splits
 from captioner.data.features import FeatureCache, ImageSource
+from captioner.data.image_cache import ImageCache
 from captioner.data.images import ImageError
 from captioner.data.prefetch import PrefetchingLoader
 from captioner.data.shapes import ShapesDataset
@@ -38,15 +39,18 @@ class CaptionSource(ImageSource, Protocol):
 
 
 class _Inputs:
-    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W).
+    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W), read from its file
+    or from the image cache (`images`).
 
     An image that cannot be read gives None (the batch goes on without it) and one warning naming the file.
     """
 
-    def __init__(self, source: CaptionSource, features: FeatureCache | None, transform):
-        self.source, self.transform = source, transform
+    def __init__(
+        self, source: CaptionSource, features: FeatureCache | None, transform, images: ImageCache | None = None
+    ):
+        self.source, self.transform, self.images = source, transform, images
         self.cache: FeatureCache | np.ndarray | None = features
-        self.bad = features.bad_indices() if features is not None else set()
+        self.bad = features.bad_indices() if features is not None else set(images.bad) if images is not None else set()
         self.key = "images" if features is None else "annotations"
         self._tensor: torch.Tensor | None = None  # the cache as a tensor (`_table`), made at the first pinned read
 
@@ -55,7 +59,8 @@ class _Inputs:
             return None
         if self.cache is None:
             try:
-                return self.transform(self.source.load_image(index))
+                image = self.source.load_image(index) if self.images is None else self.images.read(index)
+                return self.transform(image)
             except ImageError as err:
                 log.warning("skipping %s", err)
                 self.bad.add(index)
@@ -253,6 +258,9 @@ class CaptionDataModule(L.LightningDataModule):
         prefetch: batches of cached features read ahead by a background thread while the step runs (0: each batch is
             read when the step asks for it). The same batches either way (`captioner.data.prefetch`).
         feature_cache: cache the annotations of a frozen encoder on disk.
+        image_cache: where the encoder runs on images (no feature cache: fine-tuning, augmentation, a cache that does
+            not fit on the disk), read them from a cache of the images resized to the encoder's input, as JPEG, rather
+            than decode and resize each original file at every epoch (`captioner.data.image_cache`).
         train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
         min_word_count: words seen fewer times in the training captions become <unk>.
         max_vocab_size: largest vocabulary, special tokens included.
@@ -267,6 +275,7 @@ class CaptionDataModule(L.LightningDataModule):
         num_workers: int = 2,
         prefetch: int = 2,
         feature_cache: bool = True,
+        image_cache: bool = False,
         train_captions: Literal["all", "random"] = "all",
         min_word_count: int = 1,
         max_vocab_size: int = 10000,
@@ -282,7 +291,7 @@ class CaptionDataModule(L.LightningDataModule):
             raise ConfigError(f"num_workers and prefetch cannot be negative, got {num_workers} and {prefetch}")
         self.data_dir = Path(data_dir)
         self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
-        self.feature_cache, self.train_captions = feature_cache, train_captions
+        self.feature_cache, self.image_cache, self.train_captions = feature_cache, image_cache, train_captions
         self.min_word_count, self.max_vocab_size = min_word_count, max_vocab_size
         self.encoder: Encoder | None = None
         self.datasets: dict[str, CaptionDataset] = {}
@@ -343,44 +352,56 @@ class CaptionDataModule(L.LightningDataModule):
 
     def _inputs(self, split: str) -> _Inputs:
         """What the model reads of the split's images: the frozen encoder's cached annotations (the cache built first
-        if missing), or else the preprocessed images."""
+        if missing), or else the preprocessed images, from the image cache (`image_cache`) or their files."""
         source, encoder = self.split(split), self._model_encoder()
         augment = self.augment and split == "train"
-        features = None
+        features = images = None
         if self.feature_cache and encoder.frozen and not augment:
-            features = self._feature_cache(source, encoder)
-        return _Inputs(source, features, encoder.preprocessing.transforms(augment))
+            features = self._shared(FeatureCache(self.data_dir / "features", encoder, source), "feature cache")
+        if features is None and self.image_cache:
+            images = self._shared(
+                ImageCache(self.data_dir / "image_cache", encoder.preprocessing, source), "image cache"
+            )
+        # Images leave the loader as uint8, and the encoder normalises them on its device (4x fewer bytes to copy);
+        # augmentation's colour jitter works on floats, so augmented images leave normalised.
+        transform = encoder.preprocessing.transforms(augment, normalize=augment)
+        return _Inputs(source, features, transform, images)
 
-    def _feature_cache(self, source: CaptionSource, encoder: Encoder) -> FeatureCache | None:
-        """The split's feature cache, built first if it is missing or damaged; None if it cannot be written.
+    def _shared(self, cache: FeatureCache | ImageCache, name: str) -> FeatureCache | ImageCache | None:
+        """A cache of the split (`name`: the feature or the image cache), built first if it is missing or damaged; None
+        if it cannot be written.
 
         Under DDP, local rank 0 builds it while the other ranks wait at a barrier, then they read it. Two processes
         that need the same cache and do not share a Trainer (two runs on one data_dir, or two nodes on one shared
         disk) take turns through the cache's lock file: one builds, the other then finds it built.
         """
-        cache = FeatureCache(self.data_dir / "features", encoder, source)
         trainer = self.trainer
-        device = trainer.strategy.root_device if trainer is not None else "cpu"
         distributed = trainer is not None and trainer.world_size > 1
         usable = True
         if not distributed or trainer.local_rank == 0:
-            usable = self._ensure(cache, device)
+            usable = self._ensure(cache, name)
         if distributed:
-            trainer.strategy.barrier("feature cache")
+            trainer.strategy.barrier(name)
             if trainer.local_rank != 0:
-                usable = self._ensure(cache, device)
+                usable = self._ensure(cache, name)
         return cache if usable else None
 
-    def _ensure(self, cache: FeatureCache, device: torch.device | str) -> bool:
+    def _ensure(self, cache: FeatureCache | ImageCache, name: str) -> bool:
         try:
-            cache.ensure(self.batch_size, self.num_workers, device)
+            if isinstance(cache, FeatureCache):
+                device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
+                cache.ensure(self.batch_size, self.num_workers, device)
+            else:
+                cache.ensure(self.num_workers)
             return True
         except OSError as err:  # a full disk, a folder that cannot be made: train on, without the cache
-            log.warning(
-                "%s: cannot write the feature cache (%s); the encoder will run at every step instead",
-                err.filename or cache.dir,
-                err.strerror or err,
-            )
+            if isinstance(cache, FeatureCache):
+                then = "the encoder will run at every step instead" + (
+                    " (on the image cache)" if self.image_cache else ""
+                )
+            else:
+                then = "images are read from their files instead"
+            log.warning("%s: cannot write the %s (%s); %s", err.filename or cache.dir, name, err.strerror or err, then)
             return False
 
     def setup(self, stage: str) -> None:
@@ -396,10 +417,13 @@ class CaptionDataModule(L.LightningDataModule):
             # weights, and before a resumed run's checkpoint is restored. The cache holds the annotations of the
             # encoder that is trained and saved: the one the model has now.
             dataset.inputs = self._inputs(split)
-        workers = 0 if dataset.inputs.key == "annotations" else self.num_workers
+        cached = dataset.inputs.key == "annotations"
+        workers = 0 if cached else self.num_workers
         return PrefetchingLoader(
             dataset,
-            prefetch=self.prefetch,
+            # Cached rows only: images read in this process would draw augmentation's crops from the global generator
+            # in the thread, racing the step's dropout draws (worker processes have generators of their own).
+            prefetch=self.prefetch if cached else 0,
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=workers,

@@ -33,8 +33,10 @@ class Preprocessing:
     std: tuple[float, float, float]
     interpolation: str = "bilinear"
 
-    def transforms(self, augment: bool = False) -> v2.Compose:
-        """PIL image (RGB) -> normalised float tensor (3, size, size).
+    def transforms(self, augment: bool = False, normalize: bool = True) -> v2.Compose:
+        """PIL image (RGB) -> normalised float tensor (3, size, size); with `normalize=False`, the resized image as a
+        uint8 tensor, a quarter of the bytes to pass between processes and to the device, which `normalize` (the
+        Encoder, on its device) then makes into the same floats.
 
         The image is squashed to a square rather than centre-cropped: a crop could cut away an object that the
         caption names. With `augment` (training only): a mild random crop (at least 80% of the area) and a little
@@ -49,9 +51,12 @@ class Preprocessing:
             ]
         else:
             geometry = [v2.Resize(size, interpolation=mode, antialias=True)]
-        return v2.Compose(
-            [v2.ToImage(), *geometry, v2.ToDtype(torch.float32, scale=True), v2.Normalize(self.mean, self.std)]
-        )
+        scale = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(self.mean, self.std)] if normalize else []
+        return v2.Compose([v2.ToImage(), *geometry, *scale])
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images (..., 3, H, W) -> normalised floats: the last two steps of `transforms`, the same functions."""
+        return v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True), self.mean, self.std)
 
 
 @dataclass
@@ -329,5 +334,9 @@ class Encoder(nn.Module):
         return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B,3,H,W), normalised floats or uint8 (`Preprocessing.transforms(normalize=False)`, normalised
+        here) -> annotations (B,P,E)."""
+        if images.dtype == torch.uint8:
+            images = self.preprocessing.normalize(images)
         x = self.features(images.contiguous(memory_format=torch.channels_last))  # (B,E,h,w)
         return self.pool(x).flatten(2).transpose(1, 2).contiguous()  # (B,P,E)

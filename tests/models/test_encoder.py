@@ -159,3 +159,17 @@ def test_folding_every_batchnorm_into_its_convolution_keeps_the_features(backbon
         folded = encoder.fold_batchnorm()(x)
     assert not _batchnorms(encoder)  # every one of them folded
     assert (folded - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_uint8_images_are_normalised_by_the_encoder_to_the_same_annotations(lite0):
+    """The loaders pass resized uint8 images (`transforms(normalize=False)`) and the encoder normalises them on its
+    device: the same floats as the full transform's, bit for bit, and so the same annotations."""
+    from PIL import Image
+
+    photo = Image.fromarray(skdata.astronaut()).resize((300, 200))
+    full, resized = lite0.preprocessing.transforms(), lite0.preprocessing.transforms(normalize=False)
+    floats, pixels = full(photo), resized(photo)
+    assert pixels.dtype == torch.uint8 and pixels.shape == floats.shape == (3, 224, 224)
+    assert torch.equal(lite0.preprocessing.normalize(pixels[None]), floats[None])
+    with torch.no_grad():
+        assert torch.equal(lite0(pixels[None]), lite0(floats[None]))
