@@ -142,20 +142,32 @@ def loader_rate(
     return result | {"rows": rows}
 
 
-def image_cache_rates(root: Path, size: int = 448, batches: int = 60, workers: int = 2) -> dict[str, float]:
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "coco_resnet101.yaml"
+
+
+def image_cache_rates(root: Path, batches: int = 60, workers: int = 2) -> dict[str, float]:
     """`configs/coco_resnet101.yaml`'s input path without its encoder: the training split's image cache built (images
-    per second, its size on disk), then batches of 64 preprocessed 448x448 images per second from it, and from the
-    original files, with `workers` loader workers; and how far the cache's JPEG moves a pixel (mean absolute
-    difference in levels of 255, over 32 images)."""
+    per second, its size on disk); then training batches per second with `workers` loader workers: the config's own
+    (its `batch_size` images, each with `captions_per_image` captions), and batches of 64 images with a caption each
+    (`train_captions: all`) from the cache and from the original files; and how far the cache's JPEG moves a pixel
+    (mean absolute difference in levels of 255, over 32 images)."""
     import numpy as np
     import torch
+    import yaml
 
     from captioner.data.datamodules import CocoDataModule
     from captioner.models.encoder import Encoder
 
-    encoder = Encoder("resnet101", pretrained=False, image_size=size)
-    result = {}
-    for cached in (True, False):
+    config = yaml.safe_load(CONFIG.read_text())
+    data, model = config["data"]["init_args"], config["model"]
+    encoder = Encoder(model["backbone"], pretrained=False, image_size=model["image_size"])
+    result = {"size": model["image_size"], "batch_size": data["batch_size"], "k": data["captions_per_image"]}
+    runs = {  # name: (image cache, train_captions, batch_size)
+        "config": (True, data["train_captions"], data["batch_size"]),
+        "cache_rate": (True, "all", 64),
+        "file_rate": (False, "all", 64),
+    }
+    for name, (cached, captions, batch_size) in runs.items():
         module = CocoDataModule(
             str(root),
             format="karpathy",
@@ -164,13 +176,16 @@ def image_cache_rates(root: Path, size: int = 448, batches: int = 60, workers: i
             num_workers=workers,
             feature_cache=False,
             image_cache=cached,
+            train_captions=captions,
+            captions_per_image=data["captions_per_image"],
+            batch_size=batch_size,
         )
         module.set_encoder(encoder)
         module.setup("fit")
         start = time.perf_counter()
         loader = module.train_dataloader()
-        if cached:
-            images = module.datasets["train"].inputs.images
+        images = module.datasets["train"].inputs.images
+        if cached and "build_s" not in result:
             result["build_s"] = time.perf_counter() - start
             result["images"] = len(images.source)
             result["gib"] = images.data.stat().st_size / 2**30
@@ -189,9 +204,11 @@ def image_cache_rates(root: Path, size: int = 448, batches: int = 60, workers: i
         for _ in range(3):  # the workers start
             next(iterator)
         start = time.perf_counter()
+        captions = 0
         for _ in range(batches):
-            next(iterator)
-        result["cache_rate" if cached else "file_rate"] = batches / (time.perf_counter() - start)
+            captions += len(next(iterator)["lengths"])
+        seconds = time.perf_counter() - start
+        result[name], result[f"{name}_captions"] = batches / seconds, captions / seconds
         del iterator
     return result
 
@@ -247,11 +264,13 @@ def main() -> None:
     )
     if images:
         print(
-            f"\nimage cache (configs/coco_resnet101.yaml, 448x448 JPEG quality 95, 2 loader workers): built in "
+            f"\nimage cache (configs/coco_resnet101.yaml: {images['size']}x{images['size']} JPEG quality 95): built in "
             f"{images['build_s']:.0f} s ({images['images'] / images['build_s']:.0f} images/s), {images['gib']:.2f} GiB "
-            f"for {images['images']} images; a pixel moves {images['levels']:.2f} levels of 255 on average; training "
-            f"batches of 64 images: {images['cache_rate']:.1f}/s from the cache, {images['file_rate']:.1f}/s from "
-            f"the original files"
+            f"for {images['images']} images; a pixel moves {images['levels']:.2f} levels of 255 on average.\n"
+            f"training batches a second, 2 loader workers, no encoder: the config's ({images['batch_size']} images x "
+            f"{images['k']} captions) {images['config']:.1f}/s ({images['config_captions']:.0f} captions/s); 64 images "
+            f"with a caption each, {images['cache_rate']:.1f}/s from the cache, {images['file_rate']:.1f}/s from the "
+            f"original files"
         )
 
 

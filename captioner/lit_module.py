@@ -178,7 +178,7 @@ class CaptioningModule(L.LightningModule):
     def _shared_step(self, batch: dict, stage: str, objective=None) -> torch.Tensor:
         """The loss of `objective` (validation and test: teacher forcing), logged under `stage` with its parts."""
         loss, parts = (objective or TEACHER_FORCING)(self.model, batch)
-        B = batch["index"].numel()
+        B = batch["index"].numel() * batch.get("captions_per_image", 1)  # captions: a "grouped" batch has k an image
         self.finite_losses.add(stage, loss)
         # A training step's values go to the loggers every log_every_n_steps, not to the progress bar: Lightning reads
         # the progress bar's values to the host at every step, which would make the host wait for the device at every

@@ -44,7 +44,8 @@ class TeacherForcing:
 
     def __call__(self, model: ShowAttendTell, batch: dict) -> tuple[torch.Tensor, Logged]:
         images, annotations = batch.get("images"), batch.get("annotations")
-        loss = model(batch["captions"], batch["lengths"], images=images, annotations=annotations)
+        k = batch.get("captions_per_image", 1)  # a "grouped" batch's images have k captions each
+        loss = model(batch["captions"], batch["lengths"], images=images, annotations=annotations, captions_per_image=k)
         return loss.loss, {"nll_per_word": loss.nll_per_word, "doubly_stochastic": loss.doubly_stochastic}
 
 

@@ -98,12 +98,18 @@ class _Inputs:
 
 
 class CaptionDataset(Dataset):
-    """Training: one item per (image, caption) pair, or one per image with a random caption each time.
-    Evaluation: one item per image, carrying all its references (each image is decoded once), and for shapes its
-    objects and canvas (attention correctness). Training items carry neither: no training step reads them (SCST reads
-    the split's `references` by image index).
+    """Training: one item per (image, caption) pair ("all"), one per image with a random caption each time
+    ("random"), or one per image with `captions_per_image` of its captions ("grouped"). Evaluation: one item per
+    image, carrying all its references (each image is decoded once), and for shapes its objects and canvas (attention
+    correctness). Training items carry neither: no training step reads them (SCST reads the split's `references` by
+    image index).
 
-    A DataLoader gets its batches from `__getitems__`: from the feature cache, all the batch's rows in one read."""
+    A DataLoader gets its batches from `__getitems__`: from the feature cache, all the batch's rows in one read. A
+    "grouped" batch holds each of its images (or their annotations) once, and their captions image by image, k each:
+    `captions_per_image` in the batch says k, and the model repeats each image's annotations k times
+    (`ShowAttendTell.forward`), so that the encoder runs (or the cache is read) once per image, not once per caption,
+    as self-critical.pytorch's `seq_per_img` does. The paper's minibatches are of captions; this is the same data
+    per epoch (every image once, with k captions), in batches of `batch_size` images, so k times the captions."""
 
     def __init__(
         self,
@@ -112,12 +118,14 @@ class CaptionDataset(Dataset):
         references: Sequence[list[list[str]]],
         mode: str,
         objects: list | None = None,
+        captions_per_image: int = 5,
     ):
         """`captions`: each image's captions as vocabulary ids; or, for a `source` that is an `EncodedSplit`, every
         caption's ids end to end and each caption's length (`EncodedSplit.encode`), image by image, `source.counts[i]`
         captions for image i. `references`: each image's captions' tokens (a list, or `_SplitTokens`, which makes an
-        image's when they are read)."""
+        image's when they are read). `captions_per_image`: k of the "grouped" mode."""
         self.source, self.references, self.mode = source, references, mode
+        self.captions_per_image = captions_per_image
         self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
         self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
         # Every caption's tokens in one array, for the batches: caption j of image i starts at starts[first[i] + j]
@@ -142,6 +150,14 @@ class CaptionDataset(Dataset):
             return self.items[index]
         return index, random.randrange(int(self._counts[index])) if self.mode == "random" else 0
 
+    def _draw(self, image: int) -> list[int]:
+        """The "grouped" mode's k captions of `image`: all of them, in order, when it has k; k of them drawn without
+        replacement when it has more; all, then the rest drawn with replacement, when it has fewer."""
+        count, k = int(self._counts[image]), self.captions_per_image
+        if count > k:
+            return random.sample(range(count), k)
+        return list(range(count)) + random.choices(range(count), k=k - count)
+
     def _about(self, image: int) -> dict:
         """What evaluation reads of an image besides its input and caption; nothing for training."""
         if self.mode != "first":
@@ -154,6 +170,9 @@ class CaptionDataset(Dataset):
         }
 
     def __getitem__(self, index: int) -> dict | None:
+        """Item `index`; in "grouped" mode, the batch of that one image (`__getitems__`)."""
+        if self.mode == "grouped":
+            return self.__getitems__([index])
         image, caption = self._pair(index)
         inputs = self.inputs(image)
         if inputs is None:
@@ -167,6 +186,8 @@ class CaptionDataset(Dataset):
         """The batch of items `indices` (what a DataLoader asks for, batch by batch), collated. From the feature
         cache, the batch's rows are read in one indexed read, straight into the batch, rather than copied out row by
         row and stacked; images are loaded and collated one by one. Items whose image is bad are left out."""
+        if self.mode == "grouped":
+            return self._grouped(indices)
         if self.inputs.key != "annotations":
             return collate([self[index] for index in indices])
         pairs = [pair for pair in map(self._pair, indices) if pair[0] not in self.inputs.bad]  # every draw made
@@ -179,6 +200,25 @@ class CaptionDataset(Dataset):
             about = [self._about(image) for image in images]
             batch |= {key: [a[key] for a in about] for key in ("references", "objects", "canvas")}
         return batch
+
+    def _grouped(self, images: list[int]) -> dict:
+        """A "grouped" batch: images `images` (those that can be read) once each, their k captions each, in order."""
+        draws = [(image, self._draw(image)) for image in images]  # every draw made, an unreadable image's too
+        if self.inputs.key == "annotations":
+            kept = [(image, captions) for image, captions in draws if image not in self.inputs.bad]
+            inputs = self.inputs.rows([image for image, _ in kept]) if kept else None
+        else:
+            read = [(image, captions, self.inputs(image)) for image, captions in draws]
+            kept = [(image, captions) for image, captions, x in read if x is not None]
+            inputs = torch.stack([x for _, _, x in read if x is not None]) if kept else None
+        if not kept:
+            return {}
+        pairs = [(image, caption) for image, captions in kept for caption in captions]
+        batch = {self.inputs.key: inputs} | self._padded_captions(pairs)
+        return batch | {
+            "index": torch.tensor([image for image, _ in kept]),
+            "captions_per_image": self.captions_per_image,
+        }
 
     def _padded_captions(self, pairs: list[tuple[int, int]]) -> dict:
         """`_padded` of the captions (image, caption) `pairs`, gathered from the token array at once."""
@@ -261,7 +301,10 @@ class CaptionDataModule(L.LightningDataModule):
         image_cache: where the encoder runs on images (no feature cache: fine-tuning, augmentation, a cache that does
             not fit on the disk), read them from a cache of the images resized to the encoder's input, as JPEG, rather
             than decode and resize each original file at every epoch (`captioner.data.image_cache`).
-        train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch).
+        train_captions: "all" (one item per caption), "random" (one item per image, random caption each epoch), or
+            "grouped" (one item per image with `captions_per_image` of its captions: batches of `batch_size` images,
+            each encoded or read once for its k captions; `CaptionDataset`).
+        captions_per_image: k, the captions of each image in a "grouped" batch.
         min_word_count: words seen fewer times in the training captions become <unk>.
         max_vocab_size: largest vocabulary, special tokens included.
         augment: random crop and brightness/contrast jitter on training images. The training split then skips the
@@ -276,15 +319,19 @@ class CaptionDataModule(L.LightningDataModule):
         prefetch: int = 2,
         feature_cache: bool = True,
         image_cache: bool = False,
-        train_captions: Literal["all", "random"] = "all",
+        train_captions: Literal["all", "random", "grouped"] = "all",
+        captions_per_image: int = 5,
         min_word_count: int = 1,
         max_vocab_size: int = 10000,
         augment: bool = False,
     ):
         super().__init__()
         self.augment = augment
-        if train_captions not in ("all", "random"):
-            raise ConfigError(f"train_captions must be 'all' or 'random', got {train_captions!r}")
+        if train_captions not in ("all", "random", "grouped"):
+            raise ConfigError(f"train_captions must be 'all', 'random' or 'grouped', got {train_captions!r}")
+        if captions_per_image < 1:
+            raise ConfigError(f"captions_per_image must be positive, got {captions_per_image}")
+        self.captions_per_image = captions_per_image
         if batch_size < 1:
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         if prefetch < 0 or num_workers < 0:
@@ -348,7 +395,7 @@ class CaptionDataModule(L.LightningDataModule):
             references = [_tokens(source, i) for i in range(len(source))]  # each caption tokenized once
             captions = [[self.vocab.encode(tokens) for tokens in caps] for caps in references]
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
-        return CaptionDataset(source, captions, references, mode, objects)
+        return CaptionDataset(source, captions, references, mode, objects, self.captions_per_image)
 
     def _inputs(self, split: str) -> _Inputs:
         """What the model reads of the split's images: the frozen encoder's cached annotations (the cache built first

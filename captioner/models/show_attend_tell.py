@@ -205,13 +205,18 @@ class ShowAttendTell(nn.Module):
         lengths: torch.Tensor,
         images: torch.Tensor | None = None,
         annotations: torch.Tensor | None = None,
+        captions_per_image: int = 1,
     ) -> Loss:
-        """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss.
+        """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss. With
+        `captions_per_image` k, the images (or annotations) are B/k, and captions k*i to k*i+k-1 are image i's: each
+        image is encoded once, and its annotations repeated for its k captions.
 
         Runs the decoder's shrinking batch, or with `fixed_shape` its fixed shapes (`AttentionDecoder.forward`) on
         captions padded to `bucket_steps`, compiled when `compile_step` was called. Both give the same loss.
         """
         annotations = self.annotate(images, annotations)
+        if captions_per_image > 1:  # (B/k,P,E) -> (B,P,E); a view expanded, then copied once
+            annotations = annotations.unsqueeze(1).expand(-1, captions_per_image, -1, -1).flatten(0, 1)
         hard_training = self.training and self.attention_mode == "hard"
         # The paper's 50% expected-context batches: decided on the host, so a compiled step has two graphs
         sample = hard_training and bool(torch.rand(()) >= self.expected_context_p)
