@@ -1,7 +1,7 @@
 """The data side of training at COCO's size, on a synthetic Karpathy split of its exact shape: 113,287 training images
 (restval included), 5,000 val and 5,000 test, five captions each (`fit.py`'s captions and linked JPEG files).
 
-    python benchmarks/coco_scale.py --size 1         # full size: minutes, and 13.2 GiB of temporary cache file
+    python benchmarks/coco_scale.py --size 1         # full size: ~15 minutes, 13.2 + 10.7 GiB of cache files
     python benchmarks/coco_scale.py                  # a twentieth of it (`make bench`'s size)
 
 It times, with `configs/coco_lite0.yaml`'s data options:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -233,6 +234,7 @@ def main() -> None:
             print(f"wrote the split and its files in {time.perf_counter() - start:.0f} s", flush=True)
         for made in [*root.glob("vocab-*.json"), *root.glob("splits/*.npz")]:
             made.unlink()  # the first setup builds them: the vocabulary, the encoded splits
+        shutil.rmtree(root / "image_cache", ignore_errors=True)  # its build is timed
         rows = []
         for cached in root.glob("cider-*.npz"):
             cached.unlink()  # the first SCST setup counts the document frequencies

@@ -210,7 +210,7 @@ class CaptionDataset(Dataset):
         else:
             read = [(image, captions, self.inputs(image)) for image, captions in draws]
             kept = [(image, captions) for image, captions, x in read if x is not None]
-            inputs = torch.stack([x for _, _, x in read if x is not None]) if kept else None
+            inputs = stack([x for _, _, x in read if x is not None]) if kept else None
         if not kept:
             return {}
         pairs = [(image, caption) for image, captions in kept for caption in captions]
@@ -229,6 +229,16 @@ class CaptionDataset(Dataset):
         captions = np.full(real.shape, Vocabulary.pad_index, dtype=np.int64)
         captions[real] = self._tokens[(starts[:, None] + columns)[real]]
         return {"captions": torch.from_numpy(captions), "lengths": torch.from_numpy(lengths)}
+
+
+def stack(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack` of a batch's inputs. Images made from PIL images (uint8, `ToImage`) are views (3,H,W) of pixels
+    stored channel last: they are stacked as they are stored, one copy of each, into a (B,3,H,W) batch in
+    channels-last memory, which is the layout the encoder runs in (`torch.stack` would transpose each: 1.6x the time
+    for 64 448x448 images on the machine of docs/benchmarks.md)."""
+    if inputs[0].dim() == 3 and all(x.permute(1, 2, 0).is_contiguous() for x in inputs):
+        return torch.stack([x.permute(1, 2, 0) for x in inputs]).permute(0, 3, 1, 2)
+    return torch.stack(inputs)
 
 
 def _padded(captions: list[torch.Tensor]) -> dict:
@@ -251,7 +261,7 @@ def collate(items: list[dict | None] | dict) -> dict:
     items = [item for item in items if item is not None]
     if not items:
         return {}
-    batch = {items[0]["key"]: torch.stack([item["input"] for item in items])}
+    batch = {items[0]["key"]: stack([item["input"] for item in items])}
     batch |= _padded([item["caption"] for item in items])
     for key in ("references", "objects", "canvas"):  # evaluation's items only
         if key in items[0]:

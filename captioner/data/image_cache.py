@@ -2,13 +2,13 @@
 
 Where the feature cache cannot be used (an encoder being fine-tuned, or annotations too large for the disk: ResNet-101's
 14x14x2048 are 84.7 GiB in float16 for COCO's training split), the encoder runs on images at every step, and the
-loader reads, decodes and resizes each original photo at every epoch (4 ms for a 640x480 COCO JPEG on one core of the
+loader reads, decodes and resizes each original photo at every epoch (about 3 ms for a 640x480 JPEG on one core of the
 2-core machine these figures come from). The cache keeps each image at the encoder's input size, square, as JPEG of
 quality 95, every image end to end in one file (`images.bin`) with their offsets (`offsets.npy`). A cached 448x448
-image is decoded in about 1.3 ms, and the file is about 100 KB an image, 11 GiB for COCO's training split. Uncompressed
-448x448x3 bytes would be 63.5 GiB: more than a 64 GiB disk holds beside COCO's own 19 GB of photos. Quality 95 changes
-a pixel by about 2.4 of 255 on average (docs/benchmarks.md, `coco_scale.py`); that, and only that, separates a run
-from the cache from one from the original files.
+image is decoded in about 1.3 ms and needs no resize; the file is about 100 KB an image, 10.7 GiB for COCO's training
+split. Uncompressed 448x448x3 bytes would be 63.5 GiB: more than a 64 GiB disk holds beside COCO's own 19 GB of
+photos. Quality 95 changes a pixel by about 2.3 of 255 on average (docs/benchmarks.md, `coco_scale.py`); that, and
+only that, separates a run from the cache from one from the original files.
 
 Training on it is otherwise the same: the preprocessing's resize finds the image at its size and leaves it as it is,
 and augmentation crops and jitters the cached image. Like the feature cache: keyed by the split and the input size,

@@ -181,3 +181,17 @@ def test_unreadable_images_are_said_once_skipped_and_remembered(tmp_path, encode
     assert batch["index"].tolist() == [0, 1, 2, 4, 5]
     cache = module.datasets["val"].inputs.images
     assert json.loads(cache.meta.read_text())["bad"] == [3]
+
+
+def test_images_stored_channel_last_are_stacked_as_stored():
+    """`stack`: the same batch as torch.stack, in channels-last memory when each image is a view of pixels stored
+    channel last (as `ToImage` makes them from PIL images); other inputs stacked as torch.stack stacks them."""
+    from captioner.data.datamodules import stack
+
+    pixels = [torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8).permute(2, 0, 1) for _ in range(4)]
+    batch = stack(pixels)
+    assert torch.equal(batch, torch.stack(pixels)) and batch.is_contiguous(memory_format=torch.channels_last)
+    rows = [torch.randn(6, 8) for _ in range(3)]
+    assert torch.equal(stack(rows), torch.stack(rows)) and stack(rows).is_contiguous()
+    contiguous = [p.contiguous() for p in pixels]
+    assert stack(contiguous).is_contiguous() and torch.equal(stack(contiguous), torch.stack(pixels))
