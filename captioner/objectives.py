@@ -46,7 +46,8 @@ class TeacherForcing:
         images, annotations = batch.get("images"), batch.get("annotations")
         k = batch.get("captions_per_image", 1)  # a "grouped" batch's images have k captions each
         loss = model(batch["captions"], batch["lengths"], images=images, annotations=annotations, captions_per_image=k)
-        return loss.loss, {"nll_per_word": loss.nll_per_word, "doubly_stochastic": loss.doubly_stochastic}
+        parts = {"nll_per_word": loss.nll_per_word, "doubly_stochastic": loss.doubly_stochastic}
+        return loss.loss, parts | {"attention_entropy": loss.attention_entropy}
 
 
 def self_critical_loss(

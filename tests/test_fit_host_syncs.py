@@ -22,7 +22,7 @@ LOG_EVERY = 10  # --trainer.log_every_n_steps: three logging steps in the 30 bel
 STEPS = 30
 WATCHED = range(2, STEPS - 1)  # each from its start to the next step's start; the first two compile the step
 PLANTED = (21, 22)  # steps at which `PlantedRead` reads the loss, as a progress bar reading it each step would
-LOGGED_VALUES = 3  # train/loss, train/nll_per_word and train/doubly_stochastic, converted for the loggers
+LOGGED_VALUES = 4  # train/loss, nll_per_word, doubly_stochastic and attention_entropy, converted for the loggers
 
 
 class StepReads(Callback):

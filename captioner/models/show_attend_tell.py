@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -61,9 +62,10 @@ def compile_options(device_type: str, accumulate: int = 1, backend: str | None =
 class Loss(NamedTuple):
     """The training objective and its parts, each averaged as logged."""
 
-    loss: torch.Tensor  # -log P(y|x) per caption + alpha_c * doubly stochastic term
+    loss: torch.Tensor  # -log P(y|x) per caption + alpha_c * doubly stochastic term (+ the entropy penalty)
     nll_per_word: torch.Tensor
     doubly_stochastic: torch.Tensor  # sum_i (1 - sum_t alpha_ti)^2, per caption
+    attention_entropy: torch.Tensor  # H(alpha_t) / log P, per word: 1 for uniform attention, 0 for one cell
 
 
 def caption_loss(
@@ -73,16 +75,20 @@ def caption_loss(
     alpha_c: float = 1.0,
     pad_index: int = 0,
     sync_free: bool = False,
+    attention_entropy_weight: float = 0.0,
 ) -> Loss:
     """The paper's objective (eq. 14), averaged over the batch:
 
-        L = -log P(y | x) + alpha_c * sum_i (1 - sum_t alpha_ti)^2
+        L = -log P(y | x) + alpha_c * sum_i (1 - sum_t alpha_ti)^2 [+ w * sum_t H(alpha_t) / log P]
 
     Args:
         logits: (B,T,V) predictions of `targets`.
         targets: (B,T) word ids, `pad_index` after each caption's <end>.
         alphas: (B,T,P) attention weights.
         alpha_c: lambda, the weight of the doubly stochastic term.
+        attention_entropy_weight: w, the weight of a penalty on each word's attention entropy (normalised by the
+            uniform's, log P; summed over the caption's words, as the log-likelihood is). Not in the paper, which has
+            no term for how peaked a word's attention is: 0 leaves its objective.
         sync_free: the cross-entropy of every position, padding ignored, rather than of the real words gathered first
             (`logits[mask]`, whose shape depends on the data: a host sync). The same sum; the gather is faster on a
             CPU, where the padded positions' softmax would be computed for nothing.
@@ -98,7 +104,13 @@ def caption_loss(
         nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # over real words only
     attention_total = (alphas * mask.unsqueeze(-1)).sum(dim=1)  # (B,P): sum_t alpha_ti over real steps
     doubly_stochastic = ((1.0 - attention_total) ** 2).sum(dim=1).mean()
-    return Loss(nll / B + alpha_c * doubly_stochastic, nll / mask.sum(), doubly_stochastic)
+    P = alphas.size(-1)
+    entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(-1) / (math.log(P) if P > 1 else 1.0)  # (B,T)
+    entropy = (entropy * mask).sum()  # over real steps
+    loss = nll / B + alpha_c * doubly_stochastic
+    if attention_entropy_weight:
+        loss = loss + attention_entropy_weight * entropy / B
+    return Loss(loss, nll / mask.sum(), doubly_stochastic, entropy.detach() / mask.sum())
 
 
 def hard_attention_terms(
@@ -142,6 +154,8 @@ class ShowAttendTell(nn.Module):
         image_size: input side in pixels (None: the backbone's default).
         feature_stride: 32 (the backbone's last feature map) or 16 (a 14x14 grid at 224 pixels), see `Encoder`.
         alpha_c: lambda, the weight of the doubly stochastic attention term in the loss (the paper uses 1).
+        attention_entropy_weight: the weight of a penalty on each word's attention entropy (`caption_loss`). Not in
+            the paper: 0 (the default) leaves its loss as it is.
         attention_mode: "soft" (deterministic, §4.2) or "hard" (stochastic, §4.1): in training each word attends to
             one location s_t ~ Multinoulli(alpha_t), learnt with REINFORCE (`hard_attention_terms`). Captioning (and
             validation) then uses the expected context, as the paper's code does at test time (capgen.py's sampler
@@ -165,6 +179,7 @@ class ShowAttendTell(nn.Module):
         image_size: int | None = None,
         feature_stride: Literal[32, 16] = 32,
         alpha_c: float = 1.0,
+        attention_entropy_weight: float = 0.0,
         attention_mode: Literal["soft", "hard"] = "soft",
         reinforce_weight: float = 0.1,
         entropy_weight: float = 0.002,
@@ -177,6 +192,8 @@ class ShowAttendTell(nn.Module):
         super().__init__()
         if alpha_c < 0:
             raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
+        if attention_entropy_weight < 0:
+            raise ConfigError(f"attention_entropy_weight must be >= 0, got {attention_entropy_weight}")
         if attention_mode not in ("soft", "hard"):
             raise ConfigError(f"attention_mode must be 'soft' or 'hard', got {attention_mode!r}")
         if not 0 <= expected_context_p <= 1:
@@ -185,7 +202,7 @@ class ShowAttendTell(nn.Module):
         self.decoder = AttentionDecoder(
             vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
         )
-        self.alpha_c = alpha_c
+        self.alpha_c, self.attention_entropy_weight = alpha_c, attention_entropy_weight
         self.attention_mode, self.expected_context_p = attention_mode, expected_context_p
         self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
         if attention_mode == "hard":  # b, the running average of log p(y|s,a): saved in checkpoints
@@ -245,7 +262,9 @@ class ShowAttendTell(nn.Module):
         lengths = None if self.fixed_shape else lengths  # fixed shapes: no host sync, one shape per (B,T)
         logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
-        loss = caption_loss(logits, targets, alphas, self.alpha_c, self.pad_index, sync_free=self.fixed_shape)
+        loss = caption_loss(
+            logits, targets, alphas, self.alpha_c, self.pad_index, self.fixed_shape, self.attention_entropy_weight
+        )
         if not sample:
             return loss, None
         mask = targets != self.pad_index
@@ -256,7 +275,7 @@ class ShowAttendTell(nn.Module):
             log_likelihood, alphas, drawn[0], mask, baseline, self.reinforce_weight, self.entropy_weight
         )
         # A new Loss rather than loss._replace, which Dynamo (torch 2.11) cannot trace
-        return Loss(loss.loss + extra, loss.nll_per_word, loss.doubly_stochastic), log_likelihood.detach()
+        return Loss(loss.loss + extra, *loss[1:]), log_likelihood.detach()
 
     def compile_step(self, **options) -> ShowAttendTell:
         """Train with the fixed-shape step compiled by `torch.compile(**options)` (the `compile` option of

@@ -120,12 +120,13 @@ def test_loss_ignores_padded_positions():
     a, captions, lengths = batch()
     logits, alphas = make_decoder()(a, captions, lengths)
     targets = captions[:, 1 : 1 + logits.size(1)]
-    loss, nll, ds = caption_loss(logits, targets, alphas, alpha_c=1.0)
+    loss, nll, ds, entropy = caption_loss(logits, targets, alphas, alpha_c=1.0)
     padded = (targets == 0).unsqueeze(-1)
     noisy_logits = torch.where(padded, torch.randn_like(logits) * 100, logits)
     noisy_alphas = torch.where(padded, torch.rand_like(alphas), alphas)
-    loss2, nll2, ds2 = caption_loss(noisy_logits, targets, noisy_alphas, alpha_c=1.0)
+    loss2, nll2, ds2, entropy2 = caption_loss(noisy_logits, targets, noisy_alphas, alpha_c=1.0)
     assert torch.equal(loss, loss2) and torch.equal(nll, nll2) and torch.equal(ds, ds2)
+    assert torch.equal(entropy, entropy2)
     assert padded.any()
 
 
@@ -142,8 +143,31 @@ def test_doubly_stochastic_term_matches_hand_computation():
     # caption 0: sum_t alpha = (1.0, 0.75, 0.25) -> (0)^2 + (0.25)^2 + (0.75)^2 = 0.625
     # caption 1: sum_t alpha = (0.2, 0.2, 0.6)   -> 0.64 + 0.64 + 0.16        = 1.44
     expected_ds = (0.625 + 1.44) / 2
-    loss, nll, ds = caption_loss(logits, targets, alphas, alpha_c=2.0)
+    loss, nll, ds, _ = caption_loss(logits, targets, alphas, alpha_c=2.0)
     assert ds.item() == pytest.approx(expected_ds)
     log7 = torch.log(torch.tensor(7.0)).item()
     assert nll.item() == pytest.approx(log7)
     assert loss.item() == pytest.approx(3 * log7 / 2 + 2.0 * expected_ds)  # 3 real words over 2 captions
+
+
+def test_the_attention_entropy_penalty_matches_hand_computation():
+    """Each real word's attention entropy over the uniform's (log P), summed over a caption's words, averaged over the
+    captions, times its weight; padded steps count for nothing; the logged part is the mean over the real words."""
+    import math
+
+    alphas = torch.tensor(
+        [
+            [[1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0], [0.9, 0.1, 0.0]],  # uniform (1), one cell (0), then padding
+            [[0.5, 0.5, 0.0], [0.3, 0.3, 0.4], [0.3, 0.3, 0.4]],  # only the first step is real: log 2 / log 3
+        ]
+    )
+    targets = torch.tensor([[5, 2, 0], [2, 0, 0]])
+    logits = torch.randn(2, 3, 7)
+    words = [1.0, 0.0, math.log(2) / math.log(3)]
+    plain = caption_loss(logits, targets, alphas, alpha_c=1.0)
+    for sync_free in (False, True):
+        penalised = caption_loss(logits, targets, alphas, 1.0, 0, sync_free, attention_entropy_weight=0.5)
+        assert penalised.attention_entropy.item() == pytest.approx(sum(words) / 3)
+        assert plain.attention_entropy.item() == pytest.approx(sum(words) / 3)
+        assert (penalised.loss - plain.loss).item() == pytest.approx(0.5 * sum(words) / 2, rel=1e-5)
+        assert torch.equal(penalised.nll_per_word, plain.nll_per_word)
