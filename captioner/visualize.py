@@ -98,6 +98,14 @@ def overlay_attention(
     return Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
 
 
+def top_tenth_share(alpha: torch.Tensor | np.ndarray) -> float:
+    """The share of a word's attention (P,) in its strongest tenth of the cells, ceil(P/10) of them: 1 for attention
+    on one cell, about 0.1 for uniform attention (`captioner.metrics.peakedness`'s first figure)."""
+    alpha = _numpy(alpha).astype(np.float64).ravel()
+    top = np.sort(alpha)[::-1][: -(-alpha.size // 10)].sum()
+    return float(top / alpha.sum()) if alpha.sum() > 0 else 0.0
+
+
 def common_scale(alphas: torch.Tensor | np.ndarray, per_word: bool) -> float | None:
     """The one α that every word's overlay shows at full brightness: the largest of all words; None with per_word (or
     no words)."""
@@ -113,12 +121,14 @@ def attention_grid(
     tile: int = 192,
     columns: int = 5,
     per_word: bool = False,
+    peaks: bool = True,
 ) -> Image.Image:
-    """One PNG-ready picture: the image, then one overlay tile per word, each titled with its word, and under them a
-    colour bar: every word on one scale, from α = 0 to the largest α of any word (`per_word` scales each word to its
-    own largest α instead, and the bar says so). Tiles keep the image's aspect ratio, `tile` pixels on the longer side:
-    the attention grid covers the whole image (the encoder's input is the image squashed to a square, not cropped), so
-    it is stretched back over the image as it is."""
+    """One PNG-ready picture: the image, then one overlay tile per word, each titled with its word and (`peaks`) the
+    share of its attention in its strongest tenth of the cells (`top_tenth_share`; the image's tile gives uniform
+    attention's, about 0.10), and under them a colour bar: every word on one scale, from α = 0 to the largest α of
+    any word (`per_word` scales each word to its own largest α instead, and the bar says so). Tiles keep the image's
+    aspect ratio, `tile` pixels on the longer side: the attention grid covers the whole image (the encoder's input is
+    the image squashed to a square, not cropped), so it is stretched back over the image as it is."""
     if len(alphas) < len(words):
         raise ValueError(f"{len(words)} words but only {len(alphas)} attention maps")
     title_height, bar_height, floor = 22, 24, 0.2
@@ -126,8 +136,10 @@ def attention_grid(
     W, H = image.size
     width, height = (tile, max(1, round(tile * H / W))) if W >= H else (max(1, round(tile * W / H)), tile)
     thumb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
-    tiles = [("", thumb)] + [
-        (word, overlay_attention(thumb, alphas[i], grid_hw, scale, floor)) for i, word in enumerate(words)
+    titles = [f"{word} {top_tenth_share(alphas[i]):.2f}" if peaks else word for i, word in enumerate(words)]
+    uniform = top_tenth_share(np.ones(grid_hw[0] * grid_hw[1]))
+    tiles = [(f"top tenth: uniform {uniform:.2f}" if peaks and len(words) else "", thumb)] + [
+        (title, overlay_attention(thumb, alphas[i], grid_hw, scale, floor)) for i, title in enumerate(titles)
     ]
     rows = -(-len(tiles) // columns)
     sheet = Image.new("RGB", (max(columns * width, 360), rows * (height + title_height) + bar_height), "white")
@@ -155,9 +167,12 @@ def plot_attention(
     grid_hw: tuple[int, int] | None = None,
     columns: int = 5,
     per_word: bool = False,
+    peaks: bool = True,
 ):
-    """A matplotlib Figure with the image and one overlay per word (titled with the word), every word on one colour
-    scale of α with a colour bar (`per_word`: each word on its own scale, without a bar)."""
+    """A matplotlib Figure with the image and one overlay per word (titled with the word and, with `peaks`, the share
+    of its attention in its strongest tenth of the cells, `top_tenth_share`: uniform attention's is in the image's
+    title), every word on one colour scale of α with a colour bar (`per_word`: each word on its own scale, without a
+    bar)."""
     import matplotlib.pyplot as plt
 
     alphas = _numpy(alphas)[: len(words)]
@@ -171,13 +186,15 @@ def plot_attention(
         ax.axis("off")
     image = image.convert("RGB")
     axes.flat[0].imshow(image)
+    if peaks and len(words):
+        axes.flat[0].set_title(f"top tenth: uniform {top_tenth_share(np.ones(grid_hw[0] * grid_hw[1])):.2f}")
     scale = common_scale(alphas, per_word)
     for i, word in enumerate(words, start=1):
         ax = axes.flat[i]
         ax.imshow(image)
         heat = upsample(alphas[i - 1], grid_hw, image.size)
         shown = ax.imshow(heat, cmap="inferno", alpha=0.6, vmin=0, vmax=scale if scale is not None else heat.max())
-        ax.set_title(word)
+        ax.set_title(f"{word} {top_tenth_share(alphas[i - 1]):.2f}" if peaks else word)
     figure.tight_layout()
     if scale is not None and len(words):
         figure.colorbar(shown, ax=axes.ravel().tolist(), shrink=0.6, label="α (attention weight)")

@@ -70,9 +70,16 @@ def test_plot_attention_returns_a_figure_with_titled_panels():
 
     matplotlib.use("Agg")
     words = ["a", "cat", "sleeping"]
-    figure = plot_attention(photo("chelsea"), words, torch.softmax(torch.randn(3, 49), -1))
+    alphas = torch.softmax(torch.randn(3, 49), -1)
+    figure = plot_attention(photo("chelsea"), words, alphas, peaks=False)
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
     assert titles == words
+    from captioner.visualize import top_tenth_share
+
+    figure = plot_attention(photo("chelsea"), words, alphas)  # the share of each word's strongest tenth of the cells
+    titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+    shares = [f"{word} {top_tenth_share(alpha):.2f}" for word, alpha in zip(words, alphas, strict=True)]
+    assert titles == ["top tenth: uniform 0.10", *shares]
     assert [ax.get_ylabel() for ax in figure.axes].count("α (attention weight)") == 1  # one colour bar for all words
 
 
@@ -125,3 +132,18 @@ def test_a_script_the_bundled_font_lacks_takes_a_system_font_or_is_said_once(cap
         assert [r.getMessage() for r in caplog.records] == [
             "no font here draws '一只狗黑': install one that does (Debian: fonts-noto-cjk) to see it in overlays"
         ]
+
+
+def test_each_tile_can_be_titled_with_its_word_s_top_tenth_share():
+    """`top_tenth_share` is `metrics.peakedness`'s first figure; with `peaks` (the default) only the titles change."""
+    from captioner.metrics import peakedness
+    from captioner.visualize import top_tenth_share
+
+    alphas = torch.softmax(3 * torch.randn(4, 49), dim=-1)
+    assert [top_tenth_share(a) for a in alphas] == pytest.approx(peakedness(alphas)[0].tolist(), abs=1e-6)
+    assert top_tenth_share(torch.ones(49)) == pytest.approx(5 / 49) and top_tenth_share(torch.eye(49)[3]) == 1.0
+    image = photo("chelsea")
+    titled, plain = (np.asarray(attention_grid(image, list("abcd"), alphas, (7, 7), peaks=p)) for p in (True, False))
+    assert titled.shape == plain.shape
+    rows = np.any(titled != plain, axis=(1, 2))
+    assert rows[:22].any() and not rows[22:].any()  # one row of five tiles: its titles differ, not its tiles or bar
