@@ -648,7 +648,10 @@ class CocoDataModule(CaptionDataModule):
         except OSError:
             return name, None
         options = [str(source.resolve()), stat.st_size, stat.st_mtime_ns, self.format, split, TOKENIZER_VERSION]
-        options += [str(self._images().resolve()), self.max_train_caption_len if split == "train" else None]
+        # The image folder as spelled too: the split keeps its images' paths as the data_dir gives them (relative to
+        # the working directory for a relative one), and its identity (the caches' and the vocabulary's key) with them
+        images = self._images()
+        options += [str(images), str(images.resolve()), self.max_train_caption_len if split == "train" else None]
         options += [self.year, self.val_fraction, self.test_fraction] if self.format != "karpathy" else []
         key = hashlib.sha256(json.dumps(options).encode()).hexdigest()[:16]
         return name, self.data_dir / "splits" / f"{name}-{key}.npz"

@@ -85,6 +85,23 @@ def test_a_changed_dataset_file_or_option_is_a_new_encoded_split(tmp_path):
     assert shorter.split("train").identity != changed.split("train").identity
 
 
+def test_a_split_kept_from_a_relative_data_dir_is_not_read_from_elsewhere(tmp_path, monkeypatch):
+    """A relative data_dir's split keeps its images' paths relative to the working directory it was made in: a run
+    from another directory, or one that spells the same folder absolutely, makes its own, whose images load."""
+    write_karpathy(tmp_path / "project" / "data")
+    monkeypatch.chdir(tmp_path / "project")
+    relative = module("data", "karpathy")
+    relative.setup("fit")
+    assert not relative.split("train").image(0).is_absolute()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    absolute = module(tmp_path / "project" / "data", "karpathy")
+    absolute.setup("fit")
+    split = absolute.split("train")
+    assert split.image(0).is_absolute() and split.load_image(0).size
+    assert len(list((tmp_path / "project" / "data" / "splits").glob("*-train-*.npz"))) == 2
+
+
 def test_a_damaged_encoded_split_is_said_once_and_read_again_and_an_unwritable_folder_costs_one_warning(
     tmp_path, caplog
 ):
