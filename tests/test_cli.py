@@ -181,6 +181,7 @@ def test_fit_s_help_lists_the_values_of_every_option_that_has_a_fixed_set(capsys
         ("--model.feature_stride", "32,16"),
         ("--model.attention", "additive,dot,general"),
         ("--model.gate", "scalar,channel,none"),
+        ("--model.initial_state", "mean,zeros"),
     }
 
 

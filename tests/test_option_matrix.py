@@ -50,6 +50,7 @@ FACTORS: dict[str, tuple] = {
     "inputs": ("features", "image_cache"),  # the feature cache (where the encoder is frozen), or the image cache
     "captions": ("per_caption", "grouped"),  # all (SCST: random), or batches of images with 2 captions each
     "entropy": (0.0, 0.5),  # the weight of the penalty on each word's attention entropy (not the paper's: 0)
+    "initial_state": ("mean", "zeros"),  # the LSTM's start: from the mean annotation (the paper's), or zeros
 }
 Row = dict[str, object]
 
@@ -96,7 +97,7 @@ def covering_rows(seed: int = 0, candidates: int = 64) -> list[Row]:
     return [*rows, *refusals.values()]
 
 
-ROWS = covering_rows(seed=7)  # 14 rows, among them a cheap one for `make test` (`fast`)
+ROWS = covering_rows(seed=107)  # 14 rows, among them a cheap one for `make test` (`fast`)
 BASE: Row = {k: values[0] for k, values in FACTORS.items()}  # every option at its first value
 
 
@@ -115,6 +116,7 @@ def name(row: Row) -> str:
         "imagecache" if row["inputs"] == "image_cache" else "featurecache",
         str(row["captions"]),
         f"entropy{row['entropy']:g}",
+        f"start-{row['initial_state']}",
     ]
     return "-".join(parts)
 
@@ -163,7 +165,7 @@ def options(row: Row, starts: dict[tuple[str, str], Path]) -> list[str]:
         args.append(f"--trainer.precision={row['precision']}")
     args += [f"--trainer.accumulate_grad_batches={row['accumulate']}", f"--model.fine_tune_blocks={row['fine_tune']}"]
     if row["init_from"] != "none":
-        args.append(f"--model.init_from={starts[str(row['init_from']), str(row['size'])]}")
+        args.append(f"--model.init_from={starts[str(row['init_from']), str(row['size']), str(row['initial_state'])]}")
     if row["image_size"] != 224:
         args.append(f"--model.image_size={row['image_size']}")
     if row["size"] == "default":  # the library's own sizes (debug.yaml's are 32)
@@ -174,22 +176,26 @@ def options(row: Row, starts: dict[tuple[str, str], Path]) -> list[str]:
         args += ["--data.init_args.feature_cache=false", "--data.init_args.image_cache=true"]
     if row["entropy"]:
         args.append(f"--model.attention_entropy_weight={row['entropy']}")
+    if row["initial_state"] != "mean":
+        args.append(f"--model.initial_state={row['initial_state']}")
     if row["captions"] == "grouped":
         args += ["--data.init_args.train_captions=grouped", "--data.init_args.captions_per_image=2"]
     return args
 
 
 @pytest.fixture(scope="module")
-def starts(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Checkpoints to start from (`init_from`) by kind and model size, trained at 224 pixels when first asked for:
-    "tuned" holds its fine-tuned encoder, "frozen" left its pretrained encoder out."""
+def starts(tmp_path_factory) -> dict[tuple[str, str, str], Path]:
+    """Checkpoints to start from (`init_from`) by kind, model size and initial state (a start from zeros has no
+    f_init weights), trained at 224 pixels when first asked for: "tuned" holds its fine-tuned encoder, "frozen" left
+    its pretrained encoder out."""
     root = tmp_path_factory.mktemp("starts")
 
     class Lazy(dict):
-        def __missing__(self, key: tuple[str, str]) -> Path:
-            kind, size = key
-            folder = root / f"{kind}-{size}"
-            args = options({**BASE, "size": size, "fine_tune": int(kind == "tuned")}, {})
+        def __missing__(self, key: tuple[str, str, str]) -> Path:
+            kind, size, initial_state = key
+            folder = root / f"{kind}-{size}-{initial_state}"
+            start = {"size": size, "fine_tune": int(kind == "tuned"), "initial_state": initial_state}
+            args = options({**BASE, **start}, {})
             run_lightning_cli(["fit", *tiny_fit_args(folder, *args)])
             self[key] = folder / "checkpoints" / "best.ckpt"
             return self[key]

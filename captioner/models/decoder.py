@@ -23,6 +23,8 @@ from captioner.models.attention import Scorer, attend, build_scorer
 
 Gate = Literal["scalar", "channel", "none"]  # a type: LightningCLI refuses other values and lists these in --help
 GATES = get_args(Gate)
+InitialState = Literal["mean", "zeros"]
+INITIAL_STATES = get_args(InitialState)
 # Each shape a compiled step meets (the search's first word's rows and the later words' per number of images, beam
 # size and search; the training step's caption buckets) is a graph of its own: more than Dynamo's default of 8, after
 # which it would run the step uncompiled (with a warning). The limit is raised around the compiled calls only, and
@@ -53,6 +55,9 @@ class AttentionDecoder(nn.Module):
         attention: the scorer: "additive" (the paper's), "dot" or "general".
         dropout: dropout before the deep output layer.
         gate: "scalar" (the paper's beta), "channel" (one beta per annotation channel) or "none".
+        initial_state: "mean", the LSTM's h0 and c0 from the mean annotation through f_init_h and f_init_c (the
+            paper's, §3.1.2), or "zeros" (not the paper's): the LSTM starts from nothing, so the image reaches it only
+            through attention's contexts.
         position_embedding: add a learned embedding of each grid position to the annotations. Not in the paper: it
             tells the decoder where it attended, which words like "left of" need.
         pad_index: index of <pad>, whose embedding stays zero.
@@ -69,19 +74,23 @@ class AttentionDecoder(nn.Module):
         attention: Scorer = "additive",
         dropout: float = 0.5,
         gate: Gate = "scalar",
+        initial_state: InitialState = "mean",
         position_embedding: bool = False,
         pad_index: int = 0,
     ):
         super().__init__()
         check_choice("gate", gate, GATES)
+        check_choice("initial_state", initial_state, INITIAL_STATES)
         if not 0 <= dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
         self.vocab_size = vocab_size
         self.attention = build_scorer(attention, encoder_dim, decoder_dim, attention_dim)
         self.position = nn.Parameter(0.1 * torch.randn(num_pixels, encoder_dim)) if position_embedding else None
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_index)
-        self.init_h = nn.Linear(encoder_dim, decoder_dim)
-        self.init_c = nn.Linear(encoder_dim, decoder_dim)
+        self.decoder_dim = decoder_dim
+        from_mean = initial_state == "mean"
+        self.init_h = nn.Linear(encoder_dim, decoder_dim) if from_mean else None
+        self.init_c = nn.Linear(encoder_dim, decoder_dim) if from_mean else None
         self.f_beta = None if gate == "none" else nn.Linear(decoder_dim, 1 if gate == "scalar" else encoder_dim)
         self.lstm = nn.LSTMCell(embed_dim + encoder_dim, decoder_dim)
         self.L_h = nn.Linear(decoder_dim, embed_dim)
@@ -102,7 +111,10 @@ class AttentionDecoder(nn.Module):
         return keys
 
     def init_state(self, annotations: torch.Tensor) -> State:
-        """h0 = tanh(f_init_h(mean_i a_i)), c0 = tanh(f_init_c(mean_i a_i)) (§3.1.2)."""
+        """h0 = tanh(f_init_h(mean_i a_i)), c0 = tanh(f_init_c(mean_i a_i)) (§3.1.2), or zeros (`initial_state`)."""
+        if self.init_h is None:
+            shape = (annotations.shape[0], self.decoder_dim)
+            return annotations.new_zeros(shape), annotations.new_zeros(shape)  # (B,D), (B,D)
         mean = annotations.mean(dim=1)  # (B,E)
         if self.position is not None:
             mean = mean + self.position.mean(dim=0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.show_attend_tell import caption_loss
 
@@ -68,6 +69,26 @@ def test_initial_state_comes_from_the_mean_annotation():
     h, c = decoder.init_state(a)
     assert torch.allclose(h, torch.tanh(decoder.init_h(a.mean(1))))
     assert torch.allclose(c, torch.tanh(decoder.init_c(a.mean(1))))
+
+
+def test_an_initial_state_of_zeros_has_no_weights_and_lets_the_image_in_only_through_attention():
+    decoder = make_decoder(initial_state="zeros").eval()
+    assert decoder.init_h is None and decoder.init_c is None
+    assert not any(name.startswith(("init_h", "init_c")) for name, _ in decoder.named_parameters())
+    a, captions, lengths = batch()
+    h, c = decoder.init_state(a)
+    assert h.shape == c.shape == (B, decoder.decoder_dim) and not h.any() and not c.any()
+    # The paper's decoder whose f_init_h and f_init_c output 0 (tanh(0) = 0) computes the same logits and weights.
+    torch.manual_seed(0)
+    paper = make_decoder().eval()
+    for layer in (paper.init_h, paper.init_c):
+        torch.nn.init.zeros_(layer.weight), torch.nn.init.zeros_(layer.bias)
+    weights = {k: v for k, v in paper.state_dict().items() if not k.startswith(("init_h", "init_c"))}
+    decoder.load_state_dict(weights)
+    (logits, alphas), (paper_logits, paper_alphas) = decoder(a, captions, lengths), paper(a, captions, lengths)
+    assert torch.equal(logits, paper_logits) and torch.equal(alphas, paper_alphas)
+    with pytest.raises(ConfigError, match="initial_state"):
+        make_decoder(initial_state="random")
 
 
 def test_annotation_projection_runs_once_per_batch():
