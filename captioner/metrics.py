@@ -50,6 +50,7 @@ class Decoded(NamedTuple):
     ceilings: list[float]  # the best that attention on the grid can score on them
     peaks: Sequence[float] = ()  # per word: the share of its attention in its strongest tenth of cells (`peakedness`)
     entropies: Sequence[float] = ()  # per word: its attention's entropy over uniform's, log P (`peakedness`)
+    shifts: Sequence[float] = ()  # per word: how far its attention is from its caption's average (`attention_shift`)
 
 
 def attention_scores(words: Tokens, alphas, grid_hw: tuple[int, int], objects, size: int | None) -> tuple[list, ...]:
@@ -69,13 +70,17 @@ def decode_batch(batch: dict, generation, vocab: Vocabulary, grid_hw: tuple[int,
     # Flickr, UCM), where nothing reads them.
     boxed = any(objects is not None for objects in batch["objects"])
     alphas, decoded = generation.alphas.float().cpu() if boxed else None, []
-    peaks, entropies = torch.stack(peakedness(generation.alphas)).tolist()  # (B,T) each, in one copy
+    ends = generation.tokens == vocab.end_index  # (B,T): the words are the tokens before the first <end>
+    counts = torch.where(ends.any(dim=1), ends.int().argmax(dim=1), ends.size(1))  # (B,)
+    shift = attention_shift(generation.alphas, counts)
+    peaks, entropies, shifts = torch.stack([*peakedness(generation.alphas), shift]).tolist()  # (B,T) each, one copy
     for i, (index, tokens) in enumerate(zip(batch["index"].tolist(), generation.tokens.tolist(), strict=True)):
         words = vocab.decode_tokens(tokens)
         image_alphas = None if alphas is None else alphas[i]
         where = attention_scores(words, image_alphas, grid_hw, batch["objects"][i], batch["canvas"][i])
         n = len(words)
-        decoded.append(Decoded(index, words, batch["references"][i], *where, peaks[i][:n], entropies[i][:n]))
+        figures = peaks[i][:n], entropies[i][:n], shifts[i][:n]
+        decoded.append(Decoded(index, words, batch["references"][i], *where, *figures))
     return decoded
 
 
@@ -136,17 +141,31 @@ def peakedness(alphas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, (entropy / math.log(P) if P > 1 else torch.zeros_like(entropy))
 
 
+def attention_shift(alphas: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """How far each word's attention is from the average of its caption's words', half the L1 distance between them:
+    0 when every word of the caption attends to the same cells (however peaked), up to 1 - 1/n for n words that
+    attend to disjoint cells. Computed where the weights are: `alphas` (B,T,P), the first `counts` (B,) steps of each
+    caption its words'. (B,T), 0 after the words. Peaked attention that is the same for every word has a shift of 0:
+    this figure says whether the overlays differ word by word."""
+    alphas = alphas.float()
+    words = (torch.arange(alphas.size(1), device=alphas.device) < counts.to(alphas.device)[:, None]).unsqueeze(-1)
+    average = (alphas * words).sum(1, keepdim=True) / counts.to(alphas.device).clamp_min(1).view(-1, 1, 1)  # (B,1,P)
+    return 0.5 * ((alphas - average).abs() * words).sum(-1)
+
+
 def peakedness_scores(decoded: Sequence[Decoded]) -> dict[str, float]:
-    """The mean of `peakedness`'s two figures over every word of the captions, and over their content words (not
-    in FUNCTION_WORDS) alone: attn_top_tenth(_content), attn_entropy(_content). Empty without words."""
-    rows = (zip(d.words, d.peaks, d.entropies, strict=True) for d in decoded if d.peaks)  # scored captions' words
-    words = [row for caption in rows for row in caption]
+    """The mean of `peakedness`'s two figures and of `attention_shift` over every word of the captions, and over
+    their content words (not in FUNCTION_WORDS) alone: attn_top_tenth(_content), attn_entropy(_content) and
+    attn_shift(_content). Empty without words."""
+    rows = (zip(d.words, d.peaks, d.entropies, d.shifts, strict=True) for d in decoded if d.peaks)
+    words = [row for caption in rows for row in caption]  # scored captions' words
     content = [row for row in words if row[0] not in FUNCTION_WORDS]
     scores = {}
     for suffix, rows in (("", words), ("_content", content)):
         if rows:
             scores[f"attn_top_tenth{suffix}"] = sum(row[1] for row in rows) / len(rows)
             scores[f"attn_entropy{suffix}"] = sum(row[2] for row in rows) / len(rows)
+            scores[f"attn_shift{suffix}"] = sum(row[3] for row in rows) / len(rows)
     return scores
 
 

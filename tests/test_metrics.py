@@ -56,17 +56,37 @@ def test_the_split_s_peakedness_is_over_all_words_and_over_content_words():
 
     words = ["a", "red", "circle", "on", "the", "grass"]
     peaks, entropies = [0.1, 0.6, 0.8, 0.1, 0.1, 0.5], [1.0, 0.4, 0.2, 1.0, 1.0, 0.6]
-    decoded = [Decoded(0, words, [], [], [], [], peaks, entropies), Decoded(1, [], [], [], [], [], [], [])]
+    shifts = [0.0, 0.3, 0.7, 0.1, 0.0, 0.5]
+    decoded = [Decoded(0, words, [], [], [], [], peaks, entropies, shifts), Decoded(1, [], [], [], [], [], [], [], [])]
     scores = peakedness_scores(decoded)
     assert scores["attn_top_tenth"] == pytest.approx(sum(peaks) / 6)
     assert scores["attn_entropy"] == pytest.approx(sum(entropies) / 6)
+    assert scores["attn_shift"] == pytest.approx(sum(shifts) / 6)
     assert scores["attn_top_tenth_content"] == pytest.approx((0.6 + 0.8 + 0.5) / 3)
     assert scores["attn_entropy_content"] == pytest.approx((0.4 + 0.2 + 0.6) / 3)
-    assert peakedness_scores([Decoded(0, ["a", "the"], [], [], [], [], [0.1, 0.1], [1.0, 1.0])]).keys() == {
-        "attn_top_tenth",
-        "attn_entropy",
-    }
+    assert scores["attn_shift_content"] == pytest.approx((0.3 + 0.7 + 0.5) / 3)
+    function_words = Decoded(0, ["a", "the"], [], [], [], [], [0.1, 0.1], [1.0, 1.0], [0.2, 0.2])
+    assert peakedness_scores([function_words]).keys() == {"attn_top_tenth", "attn_entropy", "attn_shift"}
     assert peakedness_scores(decoded[1:]) == {}
+
+
+def test_a_word_s_attention_shift_is_half_its_l1_distance_from_its_caption_s_average():
+    """Caption 0, two words on disjoint cells: the average is (1/2, 1/2, 0, 0), each word 1/2 away. Caption 1, three
+    words on one cell (peaked, but the same map for every word): 0. Caption 2, one word: 0. Steps after the words
+    (the <end> step's own attention, padding) count in nothing and give 0."""
+    import torch
+
+    from captioner.metrics import attention_shift
+
+    alphas = torch.zeros(3, 4, 4)
+    alphas[0, 0, 0] = alphas[0, 1, 1] = 1.0
+    alphas[0, 2] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # the <end> step: not a word
+    alphas[1, :3, 2] = 1.0
+    alphas[2, 0] = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    shift = attention_shift(alphas, torch.tensor([2, 3, 1]))
+    assert shift.flatten().tolist() == pytest.approx([0.5, 0.5, 0.0, 0.0] + [0.0] * 8)
+    alphas[1, 1] = torch.tensor([0.5, 0.0, 0.5, 0.0])  # words 1/1, 1/2, 1 on cell 2: average (1/6, 0, 5/6, 0)
+    assert attention_shift(alphas, torch.tensor([2, 3, 1]))[1, :3].tolist() == pytest.approx([1 / 6, 1 / 3, 1 / 6])
 
 
 def test_a_batch_without_object_boxes_copies_from_the_device_only_each_word_s_peakedness(monkeypatch):
@@ -91,7 +111,12 @@ def test_a_batch_without_object_boxes_copies_from_the_device_only_each_word_s_pe
         assert weights is alphas
         return torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]]), torch.full((2, 4), 0.9)
 
+    def shift(weights, counts):
+        assert weights is alphas and counts.tolist() == [3, 2]  # each caption's words: the tokens before <end>
+        return torch.full((2, 4), 0.25)
+
     monkeypatch.setattr(metrics, "peakedness", per_step)
+    monkeypatch.setattr(metrics, "attention_shift", shift)
     vocab = Vocabulary(["a", "red", "circle"])
     generation = SimpleNamespace(tokens=torch.tensor([[4, 5, 6, 2], [4, 6, 2, 0]]), alphas=alphas)
     batch = {"index": torch.tensor([3, 7]), "objects": [None, None], "canvas": [None, None]}
@@ -102,3 +127,4 @@ def test_a_batch_without_object_boxes_copies_from_the_device_only_each_word_s_pe
     assert [len(d.peaks) for d in decoded] == [len(d.entropies) for d in decoded] == [3, 2]  # the words' steps
     assert [*decoded[0].peaks, *decoded[1].peaks] == pytest.approx([0.1, 0.2, 0.3, 0.5, 0.6])
     assert [*decoded[0].entropies, *decoded[1].entropies] == pytest.approx([0.9] * 5)
+    assert [*decoded[0].shifts, *decoded[1].shifts] == pytest.approx([0.25] * 5)

@@ -96,6 +96,7 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     assert all(math.isfinite(float(value)) for value in test.trainer.callback_metrics.values())
     logged = test.trainer.callback_metrics  # how peaked attention is: logged with the scores, over all words
     assert 0.0 < float(logged["test/attn_entropy"]) <= 1.0 and 0.0 < float(logged["test/attn_top_tenth"]) <= 1.0
+    assert 0.0 <= float(logged["test/attn_shift"]) < 1.0
     test_split = test.datamodule.split("test")
 
     capsys.readouterr()
@@ -105,8 +106,8 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     meteor = ["METEOR"] if shutil.which("java") else []  # CI has Java
     shapes = ["attention_correctness", "attention_ceiling"] if "Shapes" in config["data"]["class_path"] else []
     coco = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", *meteor, "ROUGE_L", "CIDEr"]
-    peaks = ["attention_top_tenth", "attention_top_tenth_uniform", "attention_entropy"]  # absent only if no caption
-    peaks += ["attention_top_tenth_content", "attention_entropy_content"]  # has a word, or a content word
+    peaks = ["attention_top_tenth", "attention_top_tenth_uniform", "attention_entropy", "attention_shift"]  # a word
+    peaks += ["attention_top_tenth_content", "attention_entropy_content", "attention_shift_content"]  # content words
     assert set(scores) <= {*coco, "exact_reference", *peaks, *shapes} and set(scores) >= {*coco, "exact_reference"}
     assert all(0.0 <= v <= 10.0 for v in scores.values())
     assert all(0.0 <= scores[name] <= 1.0 for name in peaks if name in scores)
