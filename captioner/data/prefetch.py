@@ -11,10 +11,16 @@ loader would run in the main process. The first batch is read in the calling thr
 its shuffling seed from the global generator happens where and when it would without prefetching; after that the
 iterator draws from its own generator, and the random caption draws of `train_captions: random` (Python's `random`)
 are made in order, batch after batch, by the one thread.
+
+At exit the process waits for its read-ahead threads to finish the batch they are reading (`_stop_all`). A daemon
+thread still inside a torch op when Python finalizes would be ended by `pthread_exit` as it takes the GIL back, and
+the unwinding through torch's C++ frames aborts the process ("terminate called without an active exception",
+exit status 134) after a run that had finished, e.g. `captioner fit` with `limit_train_batches`.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Iterator
@@ -23,6 +29,32 @@ from torch.utils.data import DataLoader
 
 _END = object()  # the iterator is exhausted
 _POLL_S = 0.1  # how often a thread waiting for room in its queue looks whether its reader has gone
+_EXIT_WAIT_S = 60.0  # how long the process waits at exit for a thread to finish the batch it is reading
+
+_running: dict[threading.Thread, threading.Event] = {}  # the read-ahead threads alive, with their stop events
+_starting = threading.Lock()
+_stop_all_registered = False
+
+
+def _stop_all() -> None:
+    """At exit (atexit: after the non-daemon threads are joined, before the interpreter finalizes): stop every
+    read-ahead thread and wait for it to leave the batch it is reading (see the module's docstring)."""
+    threads = list(_running.items())
+    for _, stop in threads:
+        stop.set()
+    for thread, _ in threads:
+        thread.join(_EXIT_WAIT_S)
+
+
+def _start(thread: threading.Thread, stop: threading.Event) -> None:
+    """Starts a read-ahead thread that the process waits for at exit."""
+    global _stop_all_registered
+    with _starting:
+        if not _stop_all_registered:
+            atexit.register(_stop_all)
+            _stop_all_registered = True
+        _running[thread] = stop
+    thread.start()
 
 
 class _Failure:
@@ -51,7 +83,10 @@ def _read_ahead(iterator: Iterator, batches: queue.Queue, stop: threading.Event)
     except BaseException as error:  # raised again in the reader's thread
         put(_Failure(error))
         return
-    put(_END)
+    else:
+        put(_END)
+    finally:
+        _running.pop(threading.current_thread(), None)
 
 
 class _Prefetcher:
@@ -77,7 +112,7 @@ class _Prefetcher:
             batch = next(self._iterator)
             args = (self._iterator, self._batches, self._stop)
             self._thread = threading.Thread(target=_read_ahead, args=args, name="captioner-prefetch", daemon=True)
-            self._thread.start()
+            _start(self._thread, self._stop)
             return batch
         item = self._batches.get()
         if item is _END or isinstance(item, _Failure):

@@ -397,3 +397,38 @@ def test_a_prefetching_thread_ends_when_its_epoch_is_cut_short_and_passes_errors
     with pytest.raises(StopIteration):
         next(iterator)
     assert threading.active_count() == before
+
+
+EXIT_MID_READ = """
+import threading, torch
+from captioner.data.prefetch import PrefetchingLoader
+
+inside = threading.Event()
+
+class Slow(torch.utils.data.Dataset):  # the reads after the first batch's run in the read-ahead thread
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index >= 2:
+            inside.set()
+            a = torch.randn(1200, 1200)
+            for _ in range(4):  # about a second inside torch's C++, the GIL released
+                a = a @ a / 1200
+            return a[0, :4]
+        return torch.zeros(4)
+
+iterator = iter(PrefetchingLoader(Slow(), batch_size=2, prefetch=2))
+next(iterator)
+inside.wait()
+print("done", flush=True)
+"""
+
+
+def test_a_process_that_ends_while_its_read_ahead_thread_is_inside_torch_exits_cleanly():
+    """A run that ends while the thread reads a batch (a cut-short epoch: `captioner fit` with limit_train_batches)
+    exits with status 0: without waiting for the thread at exit, the interpreter's finalization ends it inside torch's
+    C++ and the process aborts ("terminate called without an active exception", status 134)."""
+    result = subprocess.run([sys.executable, "-c", EXIT_MID_READ], capture_output=True, text=True, timeout=120)
+    assert result.stdout == "done\n"
+    assert result.returncode == 0 and "terminate" not in result.stderr, (result.returncode, result.stderr[-2000:])
