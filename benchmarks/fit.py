@@ -222,7 +222,9 @@ class SyncStretch(Callback):
     def _stop(self, trainer) -> None:
         if isinstance(self.watch, warnings.catch_warnings):
             torch.cuda.set_sync_debug_mode(0)
-            self.seen = [f"{w.filename}:{w.lineno}: {w.message}" for w in self.caught if "synchroniz" in str(w.message)]
+            # torch's text for a wait; not its warning that the debug mode is a prototype, caught here too
+            waits = [w for w in self.caught if "called a synchronizing CUDA operation" in str(w.message)]
+            self.seen = [f"{w.filename}:{w.lineno}: {w.message}" for w in waits]
             self.watch.__exit__(None, None, None)
         else:
             self.watch.__exit__(None, None, None)
@@ -230,6 +232,56 @@ class SyncStretch(Callback):
         self.watch = None
         record = {"first_step": self.first, "steps": self.steps, "waits": self.seen}
         Path(self.output).write_text(json.dumps(record, indent=1))
+
+
+class ProfileStretch(Callback):
+    """Profiles `steps` training steps of epoch `epoch` with torch.profiler, from its second logging step on (after
+    SyncStretch's stretch, so that the two do not overlap; again a stretch without a logging step), and writes to
+    `output` where the time goes: the wall and the device's busy milliseconds per step (the device's share of the
+    wall says whether the GPU waits for the host), and the operators that take the most host time and device time."""
+
+    def __init__(self, output: str, epoch: int = 1, steps: int = 20, rows: int = 20):
+        self.output, self.epoch, self.steps, self.rows = output, epoch, steps, rows
+        self.boundaries = 0
+        self.first: int | None = None
+        self.profiler = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        every = trainer.log_every_n_steps
+        if self.first is None and trainer.current_epoch == self.epoch and trainer.global_step % every == 0:
+            self.boundaries += 1
+            if self.boundaries == 2:
+                if self.steps >= every:
+                    raise ValueError(f"a stretch of {self.steps} steps would include a logging step (every {every})")
+                self.first = trainer.global_step
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if pl_module.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize(pl_module.device)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+                self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.profiler is None or trainer.global_step - self.first < self.steps:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        wall = time.perf_counter() - self.start
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        self.profiler = None
+        busy = sum(event.self_device_time_total for event in events) / 1e3  # microseconds to ms
+        lines = [
+            f"{self.steps} steps from step {self.first}: wall {1000 * wall / self.steps:.2f} ms per step, device busy"
+            f" {busy / self.steps:.2f} ms per step ({busy / (1000 * wall):.0%} of the wall)",
+            "",
+            "host time, most first:",
+            events.table(sort_by="self_cpu_time_total", row_limit=self.rows),
+        ]
+        if pl_module.device.type == "cuda":
+            lines += ["device time, most first:", events.table(sort_by="self_device_time_total", row_limit=self.rows)]
+        Path(self.output).write_text("\n".join(lines))
 
 
 def fit_command(root: Path, epochs: int, smoke: bool, *extra: str) -> list[str]:
@@ -261,21 +313,26 @@ def run_in(root: Path, command: list[str]) -> None:
 
 
 def run_fit(root: Path, epochs: int, smoke: bool, sync_stretch: bool = False) -> dict:
-    """The fit in `root`, where the data are, with FitTimes (and SyncStretch in its second epoch): what they
-    recorded."""
+    """The fit in `root`, where the data are, with FitTimes (and SyncStretch and ProfileStretch in its second epoch):
+    what they recorded."""
     times = root / "times.json"
     timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
     extra = [f"--trainer.callbacks+={timer}"]
     if sync_stretch:
         steps, every = (3, 5) if smoke else (40, 50)
         watch = {"class_path": "fit.SyncStretch", "init_args": {"output": str(root / "stretch.json"), "steps": steps}}
+        profile = {"class_path": "fit.ProfileStretch", "init_args": {"output": str(root / "profile.txt")}}
+        profile["init_args"]["steps"] = steps
         extra += [f"--trainer.callbacks+={json.dumps(watch)}", f"--trainer.log_every_n_steps={every}"]
+        extra += [f"--trainer.callbacks+={json.dumps(profile)}"]
         if smoke:  # the fixed-shape step, as on CUDA (Dynamo's capture without code generation)
             extra += ["--model.compile=true", "--model.compile_backend=eager"]
     run_in(root, fit_command(root, epochs, smoke, *extra))
     record = json.loads(times.read_text())
     if sync_stretch:
         record["stretch"] = json.loads((root / "stretch.json").read_text())
+        profiled = root / "profile.txt"
+        record["profile"] = profiled.read_text() if profiled.exists() else "(not reached: the epoch is too short)"
     return record
 
 
@@ -320,7 +377,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs: the first compiles, the later ones are timed")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
     parser.add_argument(
-        "--sync-stretch", action="store_true", help="list the host's waits for the device in 40 steps of epoch 1"
+        "--sync-stretch",
+        action="store_true",
+        help="list the host's waits for the device in 40 steps of epoch 1, and profile 40 more",
     )
     parser.add_argument("--folder", help="where to write the data and run (default: a temporary folder, removed)")
     options = parser.parse_args()
@@ -380,6 +439,7 @@ def main() -> None:
         print(f"\n{len(stretch['waits'])} host waits in {stretch['steps']} steps from step {stretch['first_step']}:")
         for line in stretch["waits"]:
             print(" ", line)
+        print(f"\nprofile of the fit (ProfileStretch):\n{record['profile']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ as it comes, and a summary of each part's status and seconds to <out>/summary.tx
 2. fit: benchmarks/fit.py (4,000 training images, 300 val, two epochs; the compiled step alone first), in whose
    second epoch 40 steps between two logging steps run under torch.cuda.set_sync_debug_mode("warn"): every operation
    that makes the host wait for the GPU is listed with the line that ran it ("warn" rather than "error", to list them
-   all rather than stop at the first). On the CPU (--smoke), tests/host_syncs.py's HostSyncs takes its place;
+   all rather than stop at the first). On the CPU (--smoke), tests/host_syncs.py's HostSyncs takes its place. Then
+   40 more steps, after the next logging step, under torch.profiler (fit.py's ProfileStretch: where the host's and
+   the device's time per step go);
 3. one_image: benchmarks/one_image.py (30 calls per model);
 4. decode: benchmarks/gpu.py's beam-search table (the tutorial, sync-free, shrinking, compile_decoder);
 5. test_cuda: tests/test_cuda.py, the compiled step with CUDA graphs against the plain step (losses to 1e-3), with
