@@ -21,7 +21,9 @@ It reports:
   within (the step's queueing, and any wait for the device);
 - validation: seconds per 1,000 images (the loss and a greedy decode of every image, then the corpus scores);
 - the compiled step alone at the same sizes and precision (forward, loss, backward, clipping at 5, Adam, under
-  bfloat16 autocast, as Lightning's bf16-mixed runs it), captions/s, and the fit's share of it.
+  bfloat16 autocast, as Lightning's bf16-mixed runs it), captions/s, on batches of the fit's shape (16 images x 5
+  captions of COCO's lengths: mostly 16 or 24 steps once bucketed), and the fit's share of it; and on gpu.py's
+  batches (64 captions of 8-16 tokens: 16 steps), the figure of earlier runs.
 
 Two changes to the shipped config, both forced by the machines it is meant for, which have no internet: the encoder
 is untrained (`--model.pretrained=false`: torchvision's weights cannot be downloaded), and the precision is bf16-mixed
@@ -299,8 +301,9 @@ def fit_command(root: Path, epochs: int, smoke: bool, *extra: str) -> list[str]:
         f"--trainer.max_epochs={epochs}",
         f"--trainer.precision={'32-true' if smoke else 'bf16-mixed'}",
     ]
-    if smoke:  # minutes of ResNet-101 on a CPU otherwise
+    if smoke:  # minutes of ResNet-101 and of the paper's decoder on a CPU otherwise
         command += ["--model.image_size=224", "--data.init_args.batch_size=4"]  # 4 images x 5 captions: 10 steps
+        command += ["--model.embed_dim=32", "--model.decoder_dim=32", "--model.attention_dim=32"]
     return [*command, *extra]
 
 
@@ -336,9 +339,32 @@ def run_fit(root: Path, epochs: int, smoke: bool, sync_stretch: bool = False) ->
     return record
 
 
-def isolated_step(device: torch.device, smoke: bool, batch: int = 64) -> float:
+def fit_batches(sizes: dict, device: torch.device, count: int = 8, seed: int = 0) -> list[tuple]:
+    """`count` batches of the fit's shape: 16 images' annotations (16,P,E) with 5 captions each (80 captions, the
+    config's grouped batches), of write_split's lengths (7 + Poisson(3.5) words, then <start> and <end>), padded to
+    the batch's longest as the loader pads them; the step pads them further to its bucket (`bucket_steps`)."""
+    from gpu import SPECIAL
+
+    generator = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        lengths = torch.from_numpy(7 + generator.poisson(3.5, 80) + 2)  # tokens, <start> and <end> included
+        T = int(lengths.max())
+        captions = torch.from_numpy(generator.integers(3, sizes["V"], (80, T)))
+        captions[:, 0] = SPECIAL["start_index"]
+        captions[torch.arange(80), lengths - 1] = SPECIAL["end_index"]
+        captions[torch.arange(T) >= lengths.unsqueeze(1)] = SPECIAL["pad_index"]
+        a = torch.from_numpy(generator.standard_normal((16, sizes["P"], sizes["E"]), dtype=np.float32)).relu()
+        out.append((a.to(device), captions.to(device), lengths.to(device), 5))
+    return out
+
+
+def isolated_step(device: torch.device, smoke: bool) -> dict[str, float]:
     """Captions/s of the compiled step alone at the paper's sizes, as Lightning's bf16-mixed runs it on CUDA: bfloat16
-    autocast, clipping at 5, Adam. (--smoke: tiny sizes, float32, Dynamo's capture without code generation.)"""
+    autocast, clipping at 5, Adam; on gpu.py's batches (64 captions of 8 to 16 tokens, each its own image's: the
+    figure of earlier runs) and on batches of the fit's shape (`fit_batches`: 80 captions, 16 images, COCO's lengths,
+    so mostly 16 or 24 steps after bucketing: the figure to compare the fit with). (--smoke: tiny sizes, float32,
+    Dynamo's capture without code generation.)"""
     from gpu import PAPER, TINY, batches, model
 
     sizes = TINY if smoke else PAPER
@@ -346,28 +372,31 @@ def isolated_step(device: torch.device, smoke: bool, batch: int = 64) -> float:
     m = model(sizes, device)
     m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
     optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
-    data = batches(sizes, batch, device, count=8)
 
-    def step(a, captions, lengths):
+    def step(a, captions, lengths, per_image=1):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = m(captions, lengths, annotations=a).loss
+            loss = m(captions, lengths, annotations=a, captions_per_image=per_image).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)
         optimizer.step()
 
-    for a, captions, lengths in data * 2:  # compiles each caption length's graph
-        step(a, captions, lengths)
-    rounds = 1 if smoke else 20
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for a, captions, lengths in data:
-            step(a, captions, lengths)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return rounds * len(data) * batch / (time.perf_counter() - start)
+    rates = {}
+    forms = {"B=64": [(*batch, 1) for batch in batches(sizes, 64, device, count=8)], "fit": fit_batches(sizes, device)}
+    for name, data in forms.items():
+        for batch in data * 2:  # compiles each caption length's graph
+            step(*batch)
+        rounds = 1 if smoke else 20
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for batch in data:
+                step(*batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates[name] = rounds * sum(batch[1].size(0) for batch in data) / (time.perf_counter() - start)
+    return rates
 
 
 def main() -> None:
@@ -392,8 +421,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run: not a measurement)"
     print(f"# fit.py on {name}; {machine()}\n", flush=True)
 
-    step = isolated_step(device, options.smoke)  # first: its figure is kept if the fit runs out of time
-    print(f"the compiled step alone (B=64): {step:.0f} captions/s", flush=True)
+    steps = isolated_step(device, options.smoke)  # first: its figures are kept if the fit runs out of time
+    print(f"the compiled step alone: {steps['B=64']:.0f} captions/s at B=64, {steps['fit']:.0f} on the fit's batches")
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(options.folder or temporary).resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -430,10 +459,15 @@ def main() -> None:
             )
     last = record["epochs"][-1]
     fit_rate = last["captions"] / last["training"]
-    rows.append({"phase": "the compiled step alone (B=64)", "seconds": "", "figure": f"{step:.0f} captions/s"})
+    rows.append({"phase": "the compiled step alone, B=64 of 8-16 tokens", "figure": f"{steps['B=64']:.0f} captions/s"})
+    rows.append({"phase": "the compiled step alone, the fit's batches", "figure": f"{steps['fit']:.0f} captions/s"})
     print(f"\n`captioner fit --config configs/coco_resnet101.yaml`, {options.images} training images\n")
     print(table(rows))
-    print(f"\nthe fit's last epoch trains at {fit_rate / step:.2f}x the compiled step alone", flush=True)
+    print(
+        f"\nthe fit's last epoch trains at {fit_rate / steps['fit']:.2f}x the compiled step alone on batches of its"
+        f" shape ({fit_rate / steps['B=64']:.2f}x the step at B=64)",
+        flush=True,
+    )
     if "stretch" in record:
         stretch = record["stretch"]
         print(f"\n{len(stretch['waits'])} host waits in {stretch['steps']} steps from step {stretch['first_step']}:")

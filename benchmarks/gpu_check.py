@@ -112,9 +112,9 @@ def main() -> None:
             [python, str(HERE / "fit.py"), "--images=4000", "--val=300", "--epochs=2", "--sync-stretch", *smoke],
             300,
         ),
-        ("one_image", [python, str(HERE / "one_image.py"), "--calls=30", *smoke], 120),
+        ("one_image", [python, str(HERE / "one_image.py"), "--calls=30", *smoke], 240),
         ("decode", [python, str(HERE / "gpu.py"), "--skip-training", "--skip-fit", *smoke], 90),
-        ("test_cuda", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"], 330),
+        ("test_cuda", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"], 420),
     ]
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]

@@ -1,7 +1,9 @@
 """One image from file to caption, as `Captioner.caption` does it for a script or the server: a 640x480 JPEG read,
 decoded, resized, encoded, searched (beam 3) and its words decoded. Latency p50 and p95 over one-at-a-time calls, and
 images/s one at a time, for the bundled model and a model at the paper's sizes (ResNet-101 at 448 pixels pooled to
-14x14x2048, a 512-d decoder, 10,000 words; untrained: the speed is the same), eager and with `compile_decoder=True`.
+14x14x2048, a 512-d decoder, 10,000 words; untrained: the speed is the same), eager, with `compile_decoder=True`, and
+with `compile_encoder=True` as well (--smoke leaves out the last for the paper's model: minutes of compiling
+ResNet-101 on a CPU).
 
     python benchmarks/one_image.py            # on this machine's device (CUDA when present)
     python benchmarks/one_image.py --smoke    # a few calls: checks the script
@@ -37,18 +39,25 @@ def paper_model() -> tuple[ShowAttendTell, Vocabulary]:
     return model, vocab
 
 
-def captioners(name: str) -> dict[str, Captioner]:
+FORMS = {
+    "eager": {},
+    "compiled": {"compile_decoder": True},
+    "compiled, encoder too": {"compile_decoder": True, "compile_encoder": True},
+}
+
+
+def captioners(name: str, smoke: bool) -> dict[str, Captioner]:
+    skip = smoke and name == "paper"  # minutes of compiling ResNet-101 on a CPU
+    forms = {form: options for form, options in FORMS.items() if not (skip and "compile_encoder" in options)}
     if name == "shapes":
-        return {"eager": Captioner.load("shapes"), "compiled": Captioner.load("shapes", compile_decoder=True)}
-    model, vocab = paper_model()
-    compiled, _ = paper_model()
-    return {"eager": Captioner(model, vocab), "compiled": Captioner(compiled, vocab, compile_decoder=True)}
+        return {form: Captioner.load("shapes", **options) for form, options in forms.items()}
+    return {form: Captioner(*paper_model(), **options) for form, options in forms.items()}
 
 
 def latencies(models: dict[str, Captioner], image: Path, calls: int) -> dict[str, list[float]]:
     seconds: dict[str, list[float]] = {form: [] for form in models}
     for model in models.values():
-        for _ in range(3):  # warm up: compiles the compiled step's two shapes
+        for _ in range(3):  # warm up: compiles the compiled word's two shapes and the encoder's one
             model.caption(image, beam_size=3)
     for _ in range(calls):
         for form, model in models.items():
@@ -71,12 +80,12 @@ def main() -> None:
         write_images(Path(folder), [], distinct=1)  # source_0.jpg, 640x480
         image = Path(folder) / "source_0.jpg"
         for name in ("shapes", "paper"):
-            for form, seconds in latencies(captioners(name), image, calls).items():
+            for form, seconds in latencies(captioners(name, options.smoke), image, calls).items():
                 ms = sorted(1000 * s for s in seconds)
                 rows.append(
                     {
                         "model": name,
-                        "decoder": form,
+                        "form": form,
                         "p50, ms": f"{statistics.median(ms):.1f}",
                         "p95, ms": f"{ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]:.1f}",
                         "images/s one at a time": f"{len(ms) / (sum(ms) / 1000):.1f}",

@@ -46,10 +46,12 @@ class Captioner:
     """A ShowAttendTell model with its vocabulary, ready to caption images.
 
     The model is for inference only: its encoder's BatchNorms are folded into its convolutions
-    (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the decoder's
-    per-word step with torch.compile at fixed shapes (`AttentionDecoder.compile_steps`), captured as CUDA graphs on
-    CUDA: the searches then run sync-free. Each number of images per batch and beam size compiles once, at its
-    first captions (seconds on a CPU, where it needs a C++ compiler); captions are then faster (docs/benchmarks.md).
+    (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the search's whole
+    work per word (the decoder's step, the choice of words, the beams' reordering) with torch.compile at fixed shapes
+    (`AttentionDecoder.compile_steps`), captured as CUDA graphs on CUDA: the searches then run sync-free. Each number
+    of images per batch and beam size compiles once, at its first captions (seconds on a CPU, where it needs a C++
+    compiler); captions are then faster (docs/benchmarks.md). `compile_encoder` compiles the encoder's forward the
+    same way (`Encoder.compile_forward`): a graph per number of images a call has.
     """
 
     def __init__(
@@ -58,12 +60,17 @@ class Captioner:
         vocab: Vocabulary,
         device: torch.device | str | None = None,
         compile_decoder: bool = False,
+        compile_encoder: bool = False,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.eval().to(self.device)
         self.model.encoder.fold_batchnorm()
-        if compile_decoder:  # CUDA graphs on CUDA: the step's many small kernels replayed in one launch
-            self.model.decoder.compile_steps(**({"mode": "reduce-overhead"} if self.device.type == "cuda" else {}))
+        # CUDA graphs on CUDA: each word's, and the backbone's, many small kernels replayed in one launch
+        options = {"mode": "reduce-overhead"} if self.device.type == "cuda" else {}
+        if compile_decoder:
+            self.model.decoder.compile_steps(**options)
+        if compile_encoder:
+            self.model.encoder.compile_forward(**options)
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()
 
@@ -73,6 +80,7 @@ class Captioner:
         checkpoint: str | Path = "shapes",
         device: torch.device | str | None = None,
         compile_decoder: bool = False,
+        compile_encoder: bool = False,
     ) -> Captioner:
         """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
         checkpoint (.ckpt)."""
@@ -81,7 +89,7 @@ class Captioner:
             raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
         file = model_file(path)
         model = build_model(file, str(path))
-        return cls(model, Vocabulary(file.vocab), device, compile_decoder)
+        return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)
 
     def iter_captions(
         self,

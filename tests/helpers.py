@@ -20,6 +20,7 @@ class TableDecoder:
     """Next-word probabilities depend only on the previous word, read from a (V,V) table of probabilities."""
 
     def __init__(self, probs: dict[int, dict[int, float]], vocab_size: int = 6):
+        self.vocab_size = vocab_size
         self.logits = torch.full((vocab_size, vocab_size), -1e4)
         for prev, row in probs.items():
             for word, p in row.items():

@@ -46,16 +46,30 @@ def test_hard_attention_bf16_and_clipping_compiled_on_cuda_train_with_finite_los
     assert cli.model.model.reward_baseline.item() < 0  # sampled batches moved the baseline
 
 
-def test_the_compiled_decoder_on_cuda_captions_as_the_eager_one():
-    """`compile_decoder=True` on CUDA: the search's step captured as CUDA graphs (mode="reduce-overhead"), one image
-    at a time and in batches of 16, writes the eager search's captions (both sync-free, as on CUDA by default)."""
+@pytest.mark.parametrize("encoder", [False, True], ids=["decoder", "decoder-and-encoder"])
+def test_the_compiled_decoder_on_cuda_captions_as_the_eager_one(encoder):
+    """`compile_decoder=True` on CUDA: each search's word captured as CUDA graphs (mode="reduce-overhead"), one image
+    at a time and in batches of 16, writes the eager search's captions, beam 3 and greedy (both sync-free, as on CUDA
+    by default); with `compile_encoder=True` the encoder's forward is captured too. What a call returns (annotations,
+    greedy's scores) is left as it was by the replays of the calls after it."""
     from captioner import Captioner
     from captioner.data.shapes import ShapesDataset
 
     torch.compiler.reset()
     eager = Captioner.load("shapes", device="cuda")
-    compiled = Captioner.load("shapes", device="cuda", compile_decoder=True)
+    compiled = Captioner.load("shapes", device="cuda", compile_decoder=True, compile_encoder=encoder)
     images = [ShapesDataset("test", 48, seed=0).load_image(i) for i in range(48)]
     want = [r.tokens for r in eager.caption(images, beam_size=3)]
     assert [r.tokens for r in compiled.caption(images, beam_size=3, batch_size=16)] == want
     assert [compiled.caption(image, beam_size=3)[0].tokens for image in images[:16]] == want[:16]
+    greedy = [r.tokens for r in eager.caption(images, beam_size=1)]
+    assert [r.tokens for r in compiled.caption(images, beam_size=1, batch_size=16)] == greedy
+    x = torch.stack([eager.transform(image) for image in images[:2]]).cuda()
+    with torch.inference_mode():
+        first = compiled.model.annotate(x[:1])
+        kept = first.clone()
+        compiled.model.annotate(x[1:2])
+        generation = compiled.model.generate(annotations=kept, beam_size=1)  # greedy: scores summed in its graphs
+        scores = generation.scores.clone()
+        compiled.model.generate(annotations=compiled.model.annotate(x[1:2]), beam_size=1)
+    assert torch.equal(first, kept) and torch.equal(generation.scores, scores)

@@ -246,10 +246,13 @@ class AttentionDecoder(nn.Module):
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
-        """Compile `step`, the one call per word of the searches that run at fixed shapes (sync-free: every image
-        and hypothesis runs every word, `captioner.models.decoding`), with `torch.compile(**options)`, in place.
+        """Compile the searches' work per word at fixed shapes (sync-free: every image and hypothesis runs every
+        word, `captioner.models.decoding`) with `torch.compile(**options)`: `step`, in place, and through
+        `compiled_function` each search's whole word (the step, then choosing the words and, in beam search,
+        reordering the beams: one graph, on CUDA one CUDA graph, rather than the step's and a few dozen operations
+        launched one by one around it).
 
-        Static shapes by default: a graph per shape the step meets (the first word's rows, one per image, and the
+        Static shapes by default: a graph per shape a word meets (the first word's rows, one per image, and the
         later words' rows, one per hypothesis, for each number of images and beam size, and the powers of two below it
         that the batch shrinks to as images end: `beam_search`), compiled at its first call,
         and then run with no recompiling whatever the images or the captions' lengths (the searches raise Dynamo's limit
@@ -261,8 +264,21 @@ class AttentionDecoder(nn.Module):
         on for captioning (docs/benchmarks.md). On a CPU, Inductor needs a C++ compiler. Returns the decoder;
         calling it again does nothing."""
         if not self.compiled:  # an instance attribute hides the method
-            self.step = torch.compile(self.step, **({"dynamic": False} | options))
+            self._compile_options = {"dynamic": False} | options
+            self._compiled_functions: dict = {}
+            self.step = torch.compile(self.step, **self._compile_options)
         return self
+
+    def compiled_function(self, function):
+        """`function` compiled with `compile_steps`'s options (once per decoder and function), or `function` itself
+        when this decoder is not compiled. The searches' whole work per word (`captioner.models.decoding`): the step,
+        then choosing the words and reordering the beams, one graph rather than the step's graph and a few dozen
+        small operations around it, each launched from Python."""
+        if not self.compiled:
+            return function
+        if function not in self._compiled_functions:
+            self._compiled_functions[function] = torch.compile(function, **self._compile_options)
+        return self._compiled_functions[function]
 
     @property
     def compiled(self) -> bool:

@@ -60,6 +60,12 @@ class Generation:
     alphas: torch.Tensor
 
 
+def _word(decoder: AttentionDecoder, function):
+    """A sync-free search's word function: compiled, one graph per shape, for a compiled decoder
+    (`AttentionDecoder.compiled_function`); else `function` itself."""
+    return decoder.compiled_function(function) if getattr(decoder, "compiled", False) else function
+
+
 def compiled_calls(search):
     """A search that raises Dynamo's recompile limit while it runs, when its decoder's step is compiled
     (`AttentionDecoder.compile_steps`): once per search, not per word (40 us a word on a CPU)."""
@@ -110,31 +116,61 @@ def greedy_search(
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (ended captions leave the shrinking batch)
+    word = _word(decoder, _greedy_word)
     for t in range(max_len):
+        if sync_free:  # every caption, an ended one going on with <pad> at no cost
+            tokens, alpha, scores, lengths, finished, h, c = word(
+                decoder, tokens, h, c, annotations, keys, scores, lengths, finished, never, pad_index, end_index
+            )
+            out_tokens[:, t] = tokens
+            out_alphas[:, t] = alpha
+            # the one host sync: every check_every words, when another word follows
+            if (t + 1) % check_every == 0 and t + 1 < max_len and bool(finished.all()):
+                break
+            continue
         logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
         best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
-        if sync_free:  # an ended caption goes on with <pad>, at no cost
-            writing = ~finished
-            tokens, best, alpha = tokens.masked_fill(finished, pad_index), best * writing, alpha * writing.unsqueeze(1)
-            lengths += writing
-        else:
-            lengths[rows] += 1
+        lengths[rows] += 1
         out_tokens[rows, t] = tokens
         out_alphas[rows, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
         scores.index_add_(0, rows, best)
         finished = finished | (tokens == end_index)
-        if sync_free:  # the one host sync: every check_every words, when another word follows
-            if (t + 1) % check_every == 0 and t + 1 < max_len and bool(finished.all()):
-                break
-        elif bool(finished.any()):  # the ended captions leave the batch
+        if bool(finished.any()):  # the ended captions leave the batch
             keep = (~finished).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
             rows, tokens, h, c, annotations, keys, finished = (
                 x[keep] for x in (rows, tokens, h, c, annotations, keys, finished)
             )
+    if getattr(decoder, "compiled", False):  # a CUDA graph's outputs, which its next replay would overwrite
+        lengths, scores = lengths.clone(), scores.clone()
     steps = int(lengths.max())
     return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
+
+
+def _greedy_word(
+    decoder: AttentionDecoder,
+    tokens: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+    annotations: torch.Tensor,
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    finished: torch.Tensor,
+    never: torch.Tensor,
+    pad_index: int,
+    end_index: int,
+) -> tuple[torch.Tensor, ...]:
+    """One word of the sync-free greedy search, every caption at once (an ended one writes <pad> at no cost): its
+    tokens (B,) and float32 alphas (B,P), and the new scores, lengths, finished flags and state. Fixed shapes, no
+    host read: a compiled decoder runs it as one graph (`AttentionDecoder.compiled_function`)."""
+    logits, (h, c), alpha = type(decoder).step(decoder, tokens, (h, c), annotations, keys)  # the uncompiled step
+    best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
+    writing = ~finished
+    tokens = tokens.masked_fill(finished, pad_index)
+    alpha = alpha.float() * writing.unsqueeze(1)
+    return tokens, alpha, scores + best * writing, lengths + writing, finished | (tokens == end_index), h, c
 
 
 @compiled_calls
@@ -202,30 +238,50 @@ def beam_search(
     identity = torch.arange(B * K, device=device)
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
     input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
-    carry = None  # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
+    # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
+    carry = finished_extension(K, decoder.vocab_size, pad_index, device)
+    word = _word(decoder, _beam_word)
     for t in range(max_len):
         A, G = scores.shape
-        live = None if sync_free else (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
-        if live is None or live.numel() == A * G:
-            logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
-        else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
-            context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
-            logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V), _
-            # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
-            h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
-        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
-        if carry is None:
-            carry = finished_extension(K, log_probs.size(1), pad_index, device)
-        if live is None:  # sync-free: every row was run; a finished one's next word is <pad>, at no cost
-            log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
-        elif live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
-            log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
-        scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-        was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
-        h, c = h[parents], c[parents]
+        if sync_free:  # every row is run; a finished one's next word is <pad>, at no cost
+            scores, parents, tokens, lengths, finished, h, c, step_alphas = word(
+                decoder,
+                tokens,
+                h,
+                c,
+                annotations,
+                keys,
+                scores,
+                lengths,
+                finished,
+                carry,
+                never,
+                K,
+                length_penalty,
+                end_index,
+            )
+            step_tokens = tokens
+            if getattr(decoder, "compiled", False):  # a CUDA graph's outputs, which its next replay overwrites
+                step_tokens, step_alphas = tokens.clone(), step_alphas.clone()
+        else:
+            live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
+            if live.numel() == A * G:
+                logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
+            else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
+                context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
+                logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V)
+                # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
+                h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
+            log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
+            if live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
+                log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
+            scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
+            was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
+            h, c = h[parents], c[parents]
+            step_tokens = tokens
+            step_alphas = alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
 
-        step_tokens, step_parents = tokens, input_rows[parents]
-        step_alphas = alpha[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
+        step_parents = input_rows[parents]
         if A < B:  # some images have left: they stay in the record as <pad> rows pointing to themselves
             step_tokens = torch.full((B * K,), pad_index, device=device).index_copy_(0, rows, step_tokens)
             step_parents = identity.clone().index_copy_(0, rows, step_parents)
@@ -263,6 +319,36 @@ def beam_search(
     return _read_back(
         final_scores, final_lengths, final_finished, record_tokens, record_alphas, record_parents, length_penalty
     )
+
+
+def _beam_word(
+    decoder: AttentionDecoder,
+    tokens: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor,
+    annotations: torch.Tensor,
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    finished: torch.Tensor,
+    carry: torch.Tensor,
+    never: torch.Tensor,
+    K: int,
+    length_penalty: float,
+    end_index: int,
+) -> tuple[torch.Tensor, ...]:
+    """One word of the sync-free beam search, every image and hypothesis at once (a finished one is extended by <pad>
+    at no cost): the K best extensions of each image's scores (A,K), the rows (A*K,) they extend and their words, their
+    lengths and finished flags, the state reordered to them, and the attention (A*K,P) that chose each word (zero
+    where the hypothesis had finished). Fixed shapes, no host read: a compiled decoder runs it as one graph
+    (`AttentionDecoder.compiled_function`)."""
+    logits, (h, c), alpha = type(decoder).step(decoder, tokens, (h, c), annotations, keys)  # the uncompiled step
+    log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (A*G,V)
+    log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+    scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
+    was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
+    alpha = alpha.float()[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
+    return scores, parents, tokens, lengths, finished, h[parents], c[parents], alpha
 
 
 def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> torch.Tensor:

@@ -132,6 +132,7 @@ class PerImageTableDecoder(TableDecoder):
 
     def __init__(self, tables):
         self.tables = [TableDecoder(t).logits for t in tables]
+        self.vocab_size = self.tables[0].size(1)
 
     def attend(self, h, annotations, keys):
         images = annotations[:, 0, :1].repeat_interleave(h.size(0) // annotations.size(0), dim=0)  # (N,1)
