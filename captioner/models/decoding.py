@@ -116,11 +116,11 @@ def greedy_search(
     scores = torch.zeros(B, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (ended captions leave the shrinking batch)
-    word = _word(decoder, _greedy_word)
+    word, fixed = _word(decoder, _greedy_word), (annotations, keys, never)
     for t in range(max_len):
         if sync_free:  # every caption, an ended one going on with <pad> at no cost
-            tokens, alpha, scores, lengths, finished, h, c = word(
-                decoder, tokens, h, c, annotations, keys, scores, lengths, finished, never, pad_index, end_index
+            (tokens, h, c, scores, lengths, finished), alpha = word(
+                decoder, (tokens, h, c, scores, lengths, finished), fixed, pad_index, end_index
             )
             out_tokens[:, t] = tokens
             out_alphas[:, t] = alpha
@@ -149,28 +149,20 @@ def greedy_search(
 
 
 def _greedy_word(
-    decoder: AttentionDecoder,
-    tokens: torch.Tensor,
-    h: torch.Tensor,
-    c: torch.Tensor,
-    annotations: torch.Tensor,
-    keys: torch.Tensor,
-    scores: torch.Tensor,
-    lengths: torch.Tensor,
-    finished: torch.Tensor,
-    never: torch.Tensor,
-    pad_index: int,
-    end_index: int,
-) -> tuple[torch.Tensor, ...]:
-    """One word of the sync-free greedy search, every caption at once (an ended one writes <pad> at no cost): its
-    tokens (B,) and float32 alphas (B,P), and the new scores, lengths, finished flags and state. Fixed shapes, no
-    host read: a compiled decoder runs it as one graph (`AttentionDecoder.compiled_function`)."""
+    decoder: AttentionDecoder, state: tuple[torch.Tensor, ...], fixed: tuple[torch.Tensor, ...], pad: int, end: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """One word of the sync-free greedy search, every caption at once (an ended one writes <pad> at no cost): from
+    the search's state (tokens (B,), h and c (B,D), scores, lengths and finished flags (B,)) and what stays fixed
+    (annotations, keys, the words never generated), the next state and the words' float32 alphas (B,P). Fixed shapes,
+    no host read: a compiled decoder runs it as one graph (`AttentionDecoder.compiled_function`)."""
+    tokens, h, c, scores, lengths, finished = state
+    annotations, keys, never = fixed
     logits, (h, c), alpha = type(decoder).step(decoder, tokens, (h, c), annotations, keys)  # the uncompiled step
     best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
     writing = ~finished
-    tokens = tokens.masked_fill(finished, pad_index)
-    alpha = alpha.float() * writing.unsqueeze(1)
-    return tokens, alpha, scores + best * writing, lengths + writing, finished | (tokens == end_index), h, c
+    tokens = tokens.masked_fill(finished, pad)
+    state = tokens, h, c, scores + best * writing, lengths + writing, finished | (tokens == end)
+    return state, alpha.float() * writing.unsqueeze(1)
 
 
 @compiled_calls
@@ -240,25 +232,12 @@ def beam_search(
     input_rows = identity[::K]  # (A*G,) record rows of this step's inputs: one per image at the first step
     # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
     carry = finished_extension(K, decoder.vocab_size, pad_index, device)
-    word = _word(decoder, _beam_word)
+    word, fixed = _word(decoder, _beam_word), (annotations, keys, carry, never)
     for t in range(max_len):
         A, G = scores.shape
         if sync_free:  # every row is run; a finished one's next word is <pad>, at no cost
-            scores, parents, tokens, lengths, finished, h, c, step_alphas = word(
-                decoder,
-                tokens,
-                h,
-                c,
-                annotations,
-                keys,
-                scores,
-                lengths,
-                finished,
-                carry,
-                never,
-                K,
-                length_penalty,
-                end_index,
+            (tokens, h, c, scores, lengths, finished), parents, step_alphas = word(
+                decoder, (tokens, h, c, scores, lengths, finished), fixed, K, length_penalty, end_index
             )
             step_tokens = tokens
             if getattr(decoder, "compiled", False):  # a CUDA graph's outputs, which its next replay overwrites
@@ -310,6 +289,7 @@ def beam_search(
             final_finished[rows[done_rows]] = True
             keep, keep_rows = ~done, ~done_rows
             alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
+            fixed = (annotations, keys, carry, never)
             h, c, tokens, finished, lengths = (x[keep_rows] for x in (h, c, tokens, finished, lengths))
             rows = input_rows = rows[keep_rows]
     final_scores[alive] = scores
@@ -323,32 +303,27 @@ def beam_search(
 
 def _beam_word(
     decoder: AttentionDecoder,
-    tokens: torch.Tensor,
-    h: torch.Tensor,
-    c: torch.Tensor,
-    annotations: torch.Tensor,
-    keys: torch.Tensor,
-    scores: torch.Tensor,
-    lengths: torch.Tensor,
-    finished: torch.Tensor,
-    carry: torch.Tensor,
-    never: torch.Tensor,
+    state: tuple[torch.Tensor, ...],
+    fixed: tuple[torch.Tensor, ...],
     K: int,
     length_penalty: float,
-    end_index: int,
-) -> tuple[torch.Tensor, ...]:
+    end: int,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """One word of the sync-free beam search, every image and hypothesis at once (a finished one is extended by <pad>
-    at no cost): the K best extensions of each image's scores (A,K), the rows (A*K,) they extend and their words, their
-    lengths and finished flags, the state reordered to them, and the attention (A*K,P) that chose each word (zero
-    where the hypothesis had finished). Fixed shapes, no host read: a compiled decoder runs it as one graph
-    (`AttentionDecoder.compiled_function`)."""
+    at no cost). From the search's state (the A*G hypotheses' last words, h and c, and lengths and finished flags;
+    their scores (A,G)) and what stays fixed (annotations, keys, a finished hypothesis's log-probabilities, the words
+    never generated): the state of each image's K best extensions (the state reordered to them), the rows (A*K,)
+    they extend, and the attention (A*K,P) that chose each word (zero where the hypothesis had finished). Fixed
+    shapes, no host read: a compiled decoder runs it as one graph (`AttentionDecoder.compiled_function`)."""
+    tokens, h, c, scores, lengths, finished = state
+    annotations, keys, carry, never = fixed
     logits, (h, c), alpha = type(decoder).step(decoder, tokens, (h, c), annotations, keys)  # the uncompiled step
     log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (A*G,V)
     log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
     scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-    was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
+    was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end)
     alpha = alpha.float()[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
-    return scores, parents, tokens, lengths, finished, h[parents], c[parents], alpha
+    return (tokens, h[parents], c[parents], scores, lengths, finished), parents, alpha
 
 
 def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> torch.Tensor:
