@@ -2,7 +2,8 @@
 shapes sizes and the paper's; and what compiling the decoder's step gives (`Captioner.load(..., compile_decoder=True)`,
 `AttentionDecoder.compile_steps`: fixed shapes, sync-free search) against the default search on this device.
 
-    python benchmarks/decode.py
+    python benchmarks/decode.py                   # every table
+    python benchmarks/decode.py --compiled-only   # the last: eager against compiled
 
 A random decoder that never writes <end> writes 16 words for every image, under torch.inference_mode as Captioner
 decodes. Each figure is the median of several timed calls, after untimed ones (for the compiled rows, the calls that
@@ -11,6 +12,7 @@ compile). The first table's batch-64 beam-3 rows are the figures to compare acro
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 
@@ -94,21 +96,9 @@ def compiled_table() -> str:
     return bundled_table(forms, "the bundled model on 64 shapes test images, images/s: eager and compile_decoder")
 
 
-def main() -> None:
-    print(f"# decode.py on {machine()}\n")
-    rows = []
-    for size in SIZES:
-        decoder = random_decoder(size)
-        for beam in (1, 3):
-            single, batched = (images_per_second(decoder, size, batch, beam) for batch in (1, 64))
-            search = "greedy" if beam == 1 else f"beam {beam}"
-            rows.append({"sizes": size, "search": search, "batch 1": f"{single:.1f}", "batch 64": f"{batched:.1f}"})
-    print("images/s\n")
-    print(table(rows))
-
-    print("\n" + sync_free_table())
-    print("\n" + compiled_table())
-
+def random_compiled_table() -> str:
+    """Random decoders at both sizes: eager (this device's default search) against `compile_steps` (the word compiled
+    at fixed shapes, sync-free search), taking turns over three rounds."""
     rows = []
     for size in SIZES:
         eager, compiled = random_decoder(size), random_decoder(size).compile_steps()
@@ -129,11 +119,30 @@ def main() -> None:
                     "gain": f"{after / before:.2f}x",
                 }
             )
-    print(
-        "\nimages/s: the decoder eager (this device's default search) and its step compiled with torch.compile at "
-        "fixed shapes (sync-free search), median of 3 rounds\n"
+    return (
+        "images/s: the decoder eager (this device's default search) and compiled with torch.compile at fixed shapes "
+        f"(sync-free search), median of 3 rounds\n\n{table(rows)}"
     )
-    print(table(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compiled-only", action="store_true", help="only the last table (eager against compiled)")
+    args = parser.parse_args()
+    print(f"# decode.py on {machine()}\n")
+    if not args.compiled_only:
+        rows = []
+        for size in SIZES:
+            decoder = random_decoder(size)
+            for beam in (1, 3):
+                single, batched = (images_per_second(decoder, size, batch, beam) for batch in (1, 64))
+                search = "greedy" if beam == 1 else f"beam {beam}"
+                rows.append({"sizes": size, "search": search, "batch 1": f"{single:.1f}", "batch 64": f"{batched:.1f}"})
+        print("images/s\n")
+        print(table(rows))
+        print("\n" + sync_free_table())
+        print("\n" + compiled_table() + "\n")
+    print(random_compiled_table())
 
 
 if __name__ == "__main__":
