@@ -1,6 +1,7 @@
 """The optional torch.compile of the decoder's step (`Captioner.load(..., compile_decoder=True)`), and of the training
 step (`--model.compile`)."""
 
+import contextlib
 import math
 
 import pytest
@@ -9,12 +10,14 @@ import torch
 from captioner import Captioner
 from captioner.data.shapes import ShapesDataset
 from captioner.models.decoding import beam_search, greedy_search
+from tests.cuda_graphs import cuda_graph_stand_in
 from tests.helpers import SPECIAL, logged, random_decoder
 
 
-def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again(tmp_path):
-    """One graph for the first word's rows and one for the later words', per number of images and beam size: none
-    for a new image or another caption length. (A backend that counts Dynamo's graphs and runs them as traced.)"""
+def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again():
+    """A graph per shape of a search's run of words between two reads: for beam search, the run that holds the first
+    word (one row per image, then K) and the later runs, per number of images and beam size; none for a new image or
+    another caption length. (A backend that counts Dynamo's graphs and runs them as traced.)"""
     graphs = []
 
     def counting(graph, example_inputs):
@@ -32,24 +35,31 @@ def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again(tmp_path)
     assert compiled.compile_steps() is compiled and compiled.step is step  # not wrapped a second time
     generator = torch.Generator().manual_seed(0)
     lengths = set()
+    every = {"check_every": 2, **SPECIAL}  # runs of two words: the captions here end within a few
     with torch.inference_mode():
         for _ in range(6):  # six images one at a time, then three, with captions of different lengths
             a = torch.randn(1, 9, 16, generator=generator)
-            want, got = beam_search(eager, a, beam_size=3, **SPECIAL), beam_search(compiled, a, beam_size=3, **SPECIAL)
+            want, got = beam_search(eager, a, beam_size=3, **every), beam_search(compiled, a, beam_size=3, **every)
             assert torch.equal(got.tokens, want.tokens)
             lengths.add(int(got.lengths[0]))
         after_one = len(graphs)
         a = torch.randn(3, 9, 16, generator=generator)
-        assert torch.equal(greedy_search(compiled, a, **SPECIAL).tokens, greedy_search(eager, a, **SPECIAL).tokens)
+        assert torch.equal(greedy_search(compiled, a, **every).tokens, greedy_search(eager, a, **every).tokens)
     assert len(lengths) > 1  # the captions' lengths differed
-    assert after_one == 2 and len(graphs) == 3, graphs  # beam 3 of one image: 1 row, then 3; greedy of three: 3 rows
+    assert after_one == 2 and len(graphs) == 3, graphs  # beam 3 of one image: the first run, the later; greedy: one
     # Past Dynamo's default limit of 8 graphs for a function (which every compiled decoder shares), the searches
-    # still compile each new shape rather than run it uncompiled: beam 3 of 2 to 7 images, 12 graphs more (each
-    # search's whole word is a function of its own: beam 3's first word of three images is not greedy's word).
+    # still compile each new shape rather than run it uncompiled, and once only: beam 3 of 2 to 7 images, twice.
+    images = [torch.randn(n, 9, 16, generator=generator) for n in range(2, 8)]
     with torch.inference_mode():
-        for images in range(2, 8):
-            beam_search(compiled, torch.randn(images, 9, 16, generator=generator), beam_size=3, **SPECIAL)
-    assert len(graphs) == 15, graphs
+        for a in images:
+            beam_search(compiled, a, beam_size=3, **every)
+        compiled_so_far = len(graphs)
+        for a in images:
+            assert torch.equal(
+                beam_search(compiled, a, beam_size=3, **every).tokens,
+                beam_search(eager, a, beam_size=3, **every).tokens,
+            )
+    assert len(graphs) == compiled_so_far > 8, graphs
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +77,67 @@ def shapes_test_annotations() -> torch.Tensor:
         )
 
 
-def test_the_compiled_decoder_captions_the_bundled_model_s_500_test_images_word_for_word(shapes_test_annotations):
-    """Beam 3, one image at a time (what the option is for) and in Captioner's batches of 16, through the same code
-    path as on a GPU (Inductor here, CUDA graphs there): the same captions as the default search, word for word."""
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # Dynamo's graphs run as traced, with a CUDA-graph tree's output lifetimes (tests/cuda_graphs.py): what a
+        # replay on CUDA does to the searches' state, emulated; nothing is compiled to code
+        pytest.param("cuda-graph stand-in", id="cuda-graph-stand-in"),
+        # Inductor's code, as on a GPU: minutes of C++ compiling on 2 cores with an empty cache (.ci/run)
+        pytest.param("inductor", id="inductor", marks=pytest.mark.ci),
+    ],
+)
+def test_the_compiled_decoder_captions_the_bundled_model_s_500_test_images_word_for_word(
+    shapes_test_annotations, backend
+):
+    """Beam 3, one image at a time (what the option is for) and in Captioner's batches of 16, and greedy in batches
+    of 16, sync-free in runs of 8 words (CHECK_EVERY: the compiled decoder's default, on a GPU as here): the same
+    captions as the default search, word for word, and their scores and attention."""
     eager = Captioner.load("shapes").model
-    compiled = Captioner.load("shapes", compile_decoder=True).model
-    assert compiled.decoder.compiled
     a = shapes_test_annotations
-    with torch.inference_mode():
-        for batch in (1, 16):
-            for start in range(0, 500 if batch == 1 else 64, batch):
-                want = eager.generate(annotations=a[start : start + batch], beam_size=3)
-                got = compiled.generate(annotations=a[start : start + batch], beam_size=3)
-                assert torch.equal(got.tokens, want.tokens), start
-                assert torch.allclose(got.scores, want.scores, atol=1e-4)
-                assert torch.allclose(got.alphas, want.alphas, atol=1e-5)
+    with cuda_graph_stand_in() if backend != "inductor" else contextlib.nullcontext() as stand_in:
+        compiled = Captioner.load("shapes", compile_decoder=True).model
+        assert compiled.decoder.compiled
+        with torch.inference_mode():
+            for beam, batch, count in ((3, 1, 500), (3, 16, 64), (1, 16, 500)):
+                for start in range(0, count, batch):
+                    want = eager.generate(annotations=a[start : start + batch], beam_size=beam)
+                    got = compiled.generate(annotations=a[start : start + batch], beam_size=beam)
+                    assert torch.equal(got.tokens, want.tokens), (beam, start)
+                    assert torch.allclose(got.scores, want.scores, atol=1e-4)
+                    assert torch.allclose(got.alphas, want.alphas, atol=1e-5)
+    if stand_in is not None:  # the replays' rule was applied: outputs were overwritten at the calls after them
+        assert stand_in.calls > 1000 and stand_in.overwritten > 1000, (stand_in.calls, stand_in.overwritten)
+
+
+def test_inductor_s_code_for_a_search_survives_replays(shapes_test_annotations):
+    """The one case of make test that generates code, as on a GPU (Inductor: seconds of C++ compiling with an empty
+    cache; the 500-image run above is .ci/run's): greedy over four images, a word per call, under the stand-in's
+    replays: the eager search's captions and attention."""
+    eager = Captioner.load("shapes").model
+    a = shapes_test_annotations[:4]
+    with cuda_graph_stand_in(backend="inductor") as stand_in:
+        compiled = Captioner.load("shapes", compile_decoder=True).model
+        with torch.inference_mode():
+            got = compiled.generate(annotations=a, beam_size=1, check_every=1)
+            want = eager.generate(annotations=a, beam_size=1)
+    assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.alphas, want.alphas, atol=1e-5)
+    assert stand_in.calls == got.tokens.size(1) and stand_in.overwritten > 0
+
+
+def test_the_compiled_step_that_a_shrinking_search_calls_survives_replays(shapes_test_annotations):
+    """With `sync_free=False` a compiled decoder's searches call its compiled `step` word by word, each word's state
+    the next one's input: under the CUDA-graph stand-in, the eager search's captions (greedy and beam 3)."""
+    eager = Captioner.load("shapes").model
+    a = shapes_test_annotations[:16]
+    with cuda_graph_stand_in() as stand_in:
+        compiled = Captioner.load("shapes", compile_decoder=True).model
+        with torch.inference_mode():
+            for beam in (1, 3):
+                want = eager.generate(annotations=a, beam_size=beam)
+                got = compiled.generate(annotations=a, beam_size=beam, sync_free=False)
+                assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.alphas, want.alphas, atol=1e-5)
+    assert stand_in.overwritten > 10
 
 
 # The compiled training step (`--model.compile`, issue #45): on by default on CUDA; here forced on the CPU.
@@ -155,21 +211,36 @@ def test_the_step_compiles_with_cuda_graphs_on_cuda_unless_gradients_are_accumul
     assert options == {} and "without CUDA graphs" in note and "over 4 batches" in note
 
 
-def test_a_fit_compiled_with_accumulated_gradients_logs_what_the_plain_fit_logs(tmp_path):
-    """The compiled step, really compiled (aot_eager: Dynamo's and AOTAutograd's graphs, no code generation), in
-    Lightning's loop with gradients accumulated over two batches, against the shrinking batch: the same losses. With
-    dropout 0 and soft attention the two forms draw nothing at random (README, "Speed")."""
+@pytest.mark.parametrize(
+    "accumulate",
+    [
+        # On CUDA the step is then captured as CUDA graphs: here under the stand-in (tests/cuda_graphs.py), whose
+        # replays overwrite each step's outputs at the next step
+        pytest.param(1, id="cuda-graph-stand-in"),
+        # On CUDA without CUDA graphs (`compile_options`): AOTAutograd's forward and backward graphs, no code
+        pytest.param(2, id="aot_eager-accumulate2"),
+    ],
+)
+def test_a_compiled_fit_logs_what_the_plain_fit_logs(tmp_path, accumulate):
+    """The compiled step, really compiled (Dynamo's graphs, no code generation), in Lightning's loop as on a GPU,
+    against the shrinking batch: the same losses. With dropout 0 and soft attention the two forms draw nothing at
+    random (README, "Speed")."""
     from captioner.cli import run_lightning_cli
     from tests.conftest import tiny_fit_args
 
     torch.compiler.reset()
     data = f"--data.init_args.data_dir={tmp_path / 'data'}"
-    same = [data, "--model.dropout=0", "--trainer.accumulate_grad_batches=2"]
+    same = [data, "--model.dropout=0", f"--trainer.accumulate_grad_batches={accumulate}"]
     run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "plain", *same, "--model.compile=false")])
-    compiled = ["--model.compile=true", "--model.compile_backend=aot_eager"]
-    cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *same, *compiled)])
+    compiled = ["--model.compile=true"]
+    with cuda_graph_stand_in() if accumulate == 1 else contextlib.nullcontext() as stand_in:
+        if stand_in is None:
+            compiled.append("--model.compile_backend=aot_eager")
+        cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *same, *compiled)])
     assert cli.model.model.fixed_shape and "_compiled_loss" in cli.model.model.__dict__  # the step that ran
-    assert cli.trainer.global_step == 2  # 4 batches, 2 optimizer steps
+    assert cli.trainer.global_step == 4 // accumulate  # 4 batches
+    if stand_in is not None:
+        assert stand_in.calls == 4 and stand_in.overwritten >= 3 * 4  # each step's loss parts, at the next step
     want, got = logged(tmp_path / "plain"), logged(tmp_path / "compiled")
     for key in ("val/loss", "train/loss_epoch", "val/nll_per_word", "val/bleu4"):
         assert got[key] == pytest.approx(want[key], rel=1e-4), key
@@ -205,23 +276,33 @@ def test_a_compiled_fit_with_hard_attention_bf16_and_clipping_trains_with_finite
     assert cli.model.model.reward_baseline.item() < 0  # sampled batches moved the baseline
 
 
-def test_a_compiled_encoder_annotates_and_captions_as_the_eager_one(tmp_path):
-    """`compile_encoder=True`: the bundled model's encoder compiled (Inductor here, CUDA graphs on a GPU), one graph per
-    number of images a call has: the eager encoder's annotations to float rounding and the same captions, one image
-    at a time and four at once, from files. (That a CUDA graph's next replay leaves them as they were:
-    tests/test_cuda.py.)"""
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("cuda-graph stand-in", id="cuda-graph-stand-in"),  # tests/cuda_graphs.py
+        pytest.param("inductor", id="inductor", marks=pytest.mark.ci),  # 35 s of C++ compiling with an empty cache
+    ],
+)
+def test_a_compiled_encoder_annotates_and_captions_as_the_eager_one(tmp_path, backend):
+    """`compile_encoder=True`: the bundled model's encoder compiled, one graph per number of images a call has: the
+    eager encoder's annotations to float rounding and the same captions, one image at a time and four at once, from
+    files; annotations kept from one call are left as they were by the replays of the calls after it."""
     eager = Captioner.load("shapes")
-    compiled = Captioner.load("shapes", compile_encoder=True)
-    assert "forward" in compiled.model.encoder.__dict__ and "forward" not in eager.model.encoder.__dict__
     test = ShapesDataset("test", 8, seed=0)
     files = []
     for i in range(len(test)):
         files.append(tmp_path / f"{i}.png")
         test.load_image(i).save(files[-1])
     x = torch.stack([eager.transform(test.load_image(i)) for i in range(4)])
-    with torch.inference_mode():
-        for n in (1, 4):
-            assert torch.allclose(compiled.model.annotate(x[:n]), eager.model.annotate(x[:n]), atol=1e-4, rtol=1e-4)
-    for batch_size in (1, 4):
-        want = [r.tokens for r in eager.caption(files, beam_size=3, batch_size=batch_size)]
-        assert [r.tokens for r in compiled.caption(files, beam_size=3, batch_size=batch_size)] == want
+    with cuda_graph_stand_in() if backend != "inductor" else contextlib.nullcontext() as stand_in:
+        compiled = Captioner.load("shapes", compile_encoder=True)
+        assert "forward" in compiled.model.encoder.__dict__ and "forward" not in eager.model.encoder.__dict__
+        with torch.inference_mode():
+            kept = [compiled.model.annotate(x[:n]) for n in (1, 4, 1)]
+            for n, annotations in zip((1, 4, 1), kept, strict=True):
+                assert torch.allclose(annotations, eager.model.annotate(x[:n]), atol=1e-4, rtol=1e-4)
+        for batch_size in (1, 4):
+            want = [r.tokens for r in eager.caption(files, beam_size=3, batch_size=batch_size)]
+            assert [r.tokens for r in compiled.caption(files, beam_size=3, batch_size=batch_size)] == want
+    if stand_in is not None:
+        assert stand_in.calls == 3 + 8 + 2 and stand_in.overwritten == stand_in.calls - 1

@@ -48,10 +48,12 @@ def test_hard_attention_bf16_and_clipping_compiled_on_cuda_train_with_finite_los
 
 @pytest.mark.parametrize("encoder", [False, True], ids=["decoder", "decoder-and-encoder"])
 def test_the_compiled_decoder_on_cuda_captions_as_the_eager_one(encoder):
-    """`compile_decoder=True` on CUDA: each search's word captured as CUDA graphs (mode="reduce-overhead"), one image
-    at a time and in batches of 16, writes the eager search's captions, beam 3 and greedy (both sync-free, as on CUDA
-    by default); with `compile_encoder=True` the encoder's forward is captured too. What a call returns (annotations,
-    greedy's scores) is left as it was by the replays of the calls after it."""
+    """`compile_decoder=True` on CUDA: each search's runs of words captured as CUDA graphs (mode="reduce-overhead"),
+    one image at a time and in batches of 16, writes the eager search's captions: beam 3 and greedy, sync-free in runs
+    of 8 words (the default) and of 30 (the whole search one graph), and not sync-free (the compiled step word by
+    word, the batch shrinking). With `compile_encoder=True` the encoder's forward is captured too. What a call returns
+    (annotations, scores) is left as it was by the replays of the calls after it. (On a CPU: tests/test_compile.py,
+    under tests/cuda_graphs.py's stand-in.)"""
     from captioner import Captioner
     from captioner.data.shapes import ShapesDataset
 
@@ -64,8 +66,15 @@ def test_the_compiled_decoder_on_cuda_captions_as_the_eager_one(encoder):
     assert [compiled.caption(image, beam_size=3)[0].tokens for image in images[:16]] == want[:16]
     greedy = [r.tokens for r in eager.caption(images, beam_size=1)]
     assert [r.tokens for r in compiled.caption(images, beam_size=1, batch_size=16)] == greedy
-    x = torch.stack([eager.transform(image) for image in images[:2]]).cuda()
+    x = torch.stack([eager.transform(image) for image in images[:4]]).cuda()
     with torch.inference_mode():
+        a = eager.model.annotate(x)
+        for beam in (1, 3):
+            # not sync-free on two images only: each number of rows the shrinking batch meets compiles a graph
+            for options, n in (({"check_every": 30}, 4), ({"sync_free": False}, 2)):
+                reference = eager.model.generate(annotations=a[:n], beam_size=beam)
+                got = compiled.model.generate(annotations=a[:n], beam_size=beam, **options)
+                assert torch.equal(got.tokens, reference.tokens), (beam, options)
         first = compiled.model.annotate(x[:1])
         kept = first.clone()
         compiled.model.annotate(x[1:2])

@@ -20,25 +20,12 @@ from torch import nn
 
 from captioner.errors import ConfigError, check_choice
 from captioner.models.attention import Scorer, attend, build_scorer
+from captioner.models.compiling import compile_function
 
 Gate = Literal["scalar", "channel", "none"]  # a type: LightningCLI refuses other values and lists these in --help
 GATES = get_args(Gate)
 InitialState = Literal["mean", "zeros"]
 INITIAL_STATES = get_args(InitialState)
-# Each shape a compiled step meets (the search's first word's rows and the later words' per number of images, beam
-# size and search; the training step's caption buckets) is a graph of its own: more than Dynamo's default of 8, after
-# which it would run the step uncompiled (with a warning). The limit is raised around the compiled calls only, and
-# restored after (torch.compiler has no public knob for it).
-RECOMPILE_LIMIT = 64
-
-
-def recompile_limit(limit: int = RECOMPILE_LIMIT):
-    """A context in which Dynamo compiles a function up to `limit` times (its config, patched and restored)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
-    return config.patch(**{name: max(getattr(config, name), limit)})
-
-
 State = tuple[torch.Tensor, torch.Tensor]  # h, c: (N,D) each
 
 
@@ -246,38 +233,34 @@ class AttentionDecoder(nn.Module):
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
 
     def compile_steps(self, **options) -> AttentionDecoder:
-        """Compile the searches' work per word at fixed shapes (sync-free: every image and hypothesis runs every
-        word, `captioner.models.decoding`) with `torch.compile(**options)`: `step`, in place, and through
-        `compiled_function` each search's whole word (the step, then choosing the words and, in beam search,
-        reordering the beams: one graph, on CUDA one CUDA graph, rather than the step's and a few dozen operations
-        launched one by one around it).
+        """Compile the searches' work at fixed shapes with `torch.compile(**options)`: `step`, in place, and through
+        `compiled_function` each sync-free search's run of words between two reads of whether every caption has ended
+        (`captioner.models.decoding`: the steps, the choices of words and, in beam search, the beams' reordering, for
+        `check_every` words: one graph, on CUDA one CUDA graph, rather than a few dozen operations a word launched one
+        by one). Each call's outputs are copies (`compile_function`), so that a CUDA graph's next replay cannot
+        overwrite the state that the next call takes.
 
-        Static shapes by default: a graph per shape a word meets (the first word's rows, one per image, and the
-        later words' rows, one per hypothesis, for each number of images and beam size, and the powers of two below it
-        that the batch shrinks to as images end: `beam_search`), compiled at its first call,
-        and then run with no recompiling whatever the images or the captions' lengths (the searches raise Dynamo's limit
-        of 8 graphs per function, which every compiled decoder's graphs share, to RECOMPILE_LIMIT while they run:
-        `captioner.models.decoding.compiled_calls`). With `mode="reduce-overhead"`
-        (on CUDA, `Captioner`'s choice) each graph is captured as a CUDA graph and replayed. The searches run
-        sync-free with a compiled decoder: the shrinking batch's shapes change with the data, and would compile at
-        every new shape. Not in the paper, and off by default: `Captioner.load(..., compile_decoder=True)` turns it
-        on for captioning (docs/benchmarks.md). On a CPU, Inductor needs a C++ compiler. Returns the decoder;
-        calling it again does nothing."""
+        Static shapes by default: a graph per shape (the number of images, the beam size, the words per call, whether
+        the call holds the search's first word, and the powers of two below the number of images that beam search's
+        batch shrinks to as images end), compiled at its first call and then run with no recompiling whatever the
+        images or the captions' lengths. With `mode="reduce-overhead"` (on CUDA, `Captioner`'s choice) each graph is
+        captured as a CUDA graph and replayed. The searches run sync-free with a compiled decoder: the shrinking
+        batch's shapes change with the data, and would compile at every new shape. Not in the paper, and off by
+        default: `Captioner.load(..., compile_decoder=True)` turns it on for captioning (docs/benchmarks.md). On a
+        CPU, Inductor needs a C++ compiler. Returns the decoder; calling it again does nothing."""
         if not self.compiled:  # an instance attribute hides the method
             self._compile_options = {"dynamic": False} | options
             self._compiled_functions: dict = {}
-            self.step = torch.compile(self.step, **self._compile_options)
+            self.step = compile_function(self.step, **self._compile_options)
         return self
 
     def compiled_function(self, function):
         """`function` compiled with `compile_steps`'s options (once per decoder and function), or `function` itself
-        when this decoder is not compiled. The searches' whole work per word (`captioner.models.decoding`): the step,
-        then choosing the words and reordering the beams, one graph rather than the step's graph and a few dozen
-        small operations around it, each launched from Python."""
+        when this decoder is not compiled."""
         if not self.compiled:
             return function
         if function not in self._compiled_functions:
-            self._compiled_functions[function] = torch.compile(function, **self._compile_options)
+            self._compiled_functions[function] = compile_function(function, **self._compile_options)
         return self._compiled_functions[function]
 
     @property

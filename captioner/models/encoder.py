@@ -20,7 +20,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 from captioner.errors import ConfigError, WeightsUnavailableError, check_choice
-from captioner.models.decoder import recompile_limit
+from captioner.models.compiling import compile_function
 
 STRIDES = (32, 16)  # a backbone's last feature map, or its last one at 1/16 of the input (the paper's 14x14 at 224)
 
@@ -339,19 +339,12 @@ class Encoder(nn.Module):
         per number and size of images it meets (`Captioner`'s: its batch size, and its last batch's), compiled at its
         first use and never again (Dynamo's limit of 8 graphs a function is raised to RECOMPILE_LIMIT around the
         calls). With `mode="reduce-overhead"` (on CUDA, `Captioner`'s choice) each graph is captured as a CUDA graph:
-        one launch for the backbone's hundreds of small kernels at one image. The annotations are returned as a copy,
-        which the graph's next replay cannot overwrite. Not in the paper, and off by default:
+        one launch for the backbone's hundreds of small kernels at one image. The annotations are returned as a copy
+        (`compile_function`), which the graph's next replay cannot overwrite. Not in the paper, and off by default:
         `Captioner.load(..., compile_encoder=True)`. On a CPU, Inductor needs a C++ compiler. Returns the encoder;
         calling it again does nothing."""
-        if "forward" in self.__dict__:  # an instance attribute hides the method
-            return self
-        compiled = torch.compile(self.forward, **({"dynamic": False} | options))
-
-        def forward(images: torch.Tensor) -> torch.Tensor:
-            with recompile_limit():
-                return compiled(images).clone()
-
-        self.forward = forward
+        if "forward" not in self.__dict__:  # an instance attribute hides the method
+            self.forward = compile_function(self.forward, **({"dynamic": False} | options))
         return self
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
-from captioner.models.decoder import AttentionDecoder, recompile_limit
+from captioner.models.compiling import compile_function
+from captioner.models.decoder import AttentionDecoder
 from captioner.models.decoding import (
     LENGTH_PENALTY,
     Generation,
@@ -281,10 +282,11 @@ class ShowAttendTell(nn.Module):
         """Train with the fixed-shape step compiled by `torch.compile(**options)` (the `compile` option of
         `CaptioningModule`: on CUDA, mode="reduce-overhead", which captures it as CUDA graphs). The compiled function
         is the loss, forward and backward; the optimizer, clipping and precision stay the trainer's. A step length
-        not seen before compiles once more (`bucket_steps` keeps them few). Not in the paper; it changes no result.
-        Returns the model; `fixed_shape = False` goes back to the shrinking batch."""
+        not seen before compiles once more (`bucket_steps` keeps them few). Its outputs, the loss's parts, are
+        copies (`compile_function`): they are logged and read after the next step's replay. Not in the paper; it
+        changes no result. Returns the model; `fixed_shape = False` goes back to the shrinking batch."""
         self.fixed_shape = True
-        self.__dict__["_compiled_loss"] = torch.compile(self.teacher_forced_loss, **options)
+        self.__dict__["_compiled_loss"] = compile_function(self.teacher_forced_loss, **options)
         return self
 
     def _teacher_forced_loss(self, *args) -> tuple[Loss, torch.Tensor | None]:
@@ -293,12 +295,7 @@ class ShowAttendTell(nn.Module):
         compiled = self.__dict__.get("_compiled_loss")
         if compiled is None or not self.fixed_shape or not self.training:
             return self.teacher_forced_loss(*args)
-        with recompile_limit():  # each caption bucket and hard attention's two kinds of batch are graphs of their own
-            loss, log_likelihood = compiled(*args)
-        # A CUDA graph's outputs live in its memory pool and are overwritten by its next replay; the loss parts are
-        # logged and read later (progress bar, epoch means), so they leave as copies: a few scalars.
-        copies = Loss(*(part.clone() for part in loss))
-        return copies, None if log_likelihood is None else log_likelihood.clone()
+        return compiled(*args)
 
     @torch.no_grad()
     def update_baseline(self, log_likelihood: torch.Tensor | None) -> None:
