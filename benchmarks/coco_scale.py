@@ -1,5 +1,5 @@
 """The data side of training at COCO's size, on a synthetic Karpathy split of its exact shape: 113,287 training images
-(restval included), 5,000 val and 5,000 test, five captions each (`fit.py`'s captions and linked JPEG files).
+(restval included), 5,000 val and 5,000 test, five captions each (`common.write_split`: captions, linked JPEGs).
 
     python benchmarks/coco_scale.py --size 1         # full size: ~15 minutes, 13.2 + 10.7 GiB of cache files
     python benchmarks/coco_scale.py                  # a twentieth of it (`make bench`'s size)
@@ -33,10 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import machine, table
-from fit import write_split
-
-COCO = {"train": 82_783, "restval": 30_504, "val": 5_000, "test": 5_000}  # Karpathy's split of COCO 2014
+from common import COCO, machine, table, write_split
 
 SETUP = """
 import json, resource, sys, time

@@ -1,149 +1,270 @@
-"""Caption generation speed on annotations (images/s): greedy and beam 3, for one image and for 64 at once, at the
-shapes sizes and the paper's; and what compiling the decoder's step gives (`Captioner.load(..., compile_decoder=True)`,
-`AttentionDecoder.compile_steps`: fixed shapes, sync-free search) against the default search on this device.
+"""Caption generation speed on annotations (images/s): greedy and beam 3, one image and 64 at once, at the shapes
+sizes and the paper's, in each form the searches have, and against the tutorial's beam search.
 
-    python benchmarks/decode.py                   # every table
-    python benchmarks/decode.py --compiled-only   # the last: eager against compiled
+    python benchmarks/decode.py                       # every table, on this machine's device (CUDA when present)
+    python benchmarks/decode.py --tables tutorial     # some of them, by name (TABLES)
+    python benchmarks/decode.py --smoke               # tiny sizes, a call or two: checks the script only
 
-A random decoder that never writes <end> writes 16 words for every image, under torch.inference_mode as Captioner
-decodes. Each figure is the median of several timed calls, after untimed ones (for the compiled rows, the calls that
-compile). The first table's batch-64 beam-3 rows are the figures to compare across versions.
+Tables:
+- default: a random decoder at both sizes, in this device's default search;
+- sync_free: the bundled model on 64 shapes test images (captions that end at different words): the shrinking search
+  (the CPU's default) against the sync-free one (CUDA's), which reads whether every caption has ended every 8 words;
+- compiled: the bundled model, eager against `compile_decoder=True` (`Captioner.load`), each searching as it does by
+  default on this device;
+- random_compiled: random decoders at both sizes, eager against compiled (`AttentionDecoder.compile_steps`);
+- tutorial: beam 3 at the paper's sizes (16 words an image), one image at a time and 64 at once: the tutorial's
+  search (one image at a time, its beams shrinking as they end, a device-to-host copy at every word), and captioner's
+  sync-free, shrinking and compiled forms (runs of 8 words a graph, the default; and the whole search one graph,
+  `check_every=16`), each with whether its captions are the eager search's.
+
+A random decoder never writes <end>, so every image gets 16 words. Each figure is a median of timed calls after
+untimed ones (for the compiled forms, the calls that compile); forms measured together take turns, over three rounds.
+Compiled forms use CUDA graphs on CUDA (mode="reduce-overhead", as `Captioner` does) and Inductor on a CPU; with
+--smoke, Dynamo's graphs under tests/cuda_graphs.py's stand-in (a CUDA graph's output lifetimes, no code generated).
+Each row is printed, and written to --out, as soon as it is measured; a form that fails is a row with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
+import sys
+from collections.abc import Callable
 
 import torch
-from common import SIZES, SPECIAL, annotations, machine, random_decoder, table, timed
+from common import (
+    REPO,
+    SIZES,
+    SPECIAL,
+    TINY,
+    Table,
+    annotations,
+    deadline,
+    fail_if_asked,
+    machine,
+    one_line,
+    out_folder,
+    random_decoder,
+    timed,
+    tutorial_beam_search,
+)
 
 from captioner.models.decoding import beam_search, greedy_search
 
 MAX_LEN = 16
+TABLES = ("default", "sync_free", "compiled", "random_compiled", "tutorial")
 
 
-def images_per_second(
-    decoder, size: str, batch: int, beam: int, warmup: int = 1, sync_free: bool | None = None
-) -> float:
-    a = annotations(size, batch)
-
-    def search():
-        if beam == 1:
-            return greedy_search(decoder, a, max_len=MAX_LEN, sync_free=sync_free, **SPECIAL)
-        return beam_search(decoder, a, beam_size=beam, max_len=MAX_LEN, sync_free=sync_free, **SPECIAL)
-
-    with torch.inference_mode():
-        seconds = timed(search, calls=9 if batch == 1 else 5, warmup=warmup)
-    return batch / seconds
+def compile_options(device: torch.device) -> dict:
+    """As `Captioner` compiles: CUDA graphs on CUDA."""
+    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
 
 
-def bundled_table(forms: dict[str, dict], title: str) -> str:
-    """The bundled model on 64 shapes test images, whose captions end at different words, searched in each of `forms`
-    (name -> the model and generate's options), which take turns over three rounds; the last is compared with the
-    first."""
+def search(decoder, a: torch.Tensor, beam: int, **options):
+    if beam == 1:
+        return greedy_search(decoder, a, max_len=MAX_LEN, **options, **SPECIAL)
+    return beam_search(decoder, a, beam_size=beam, max_len=MAX_LEN, **options, **SPECIAL)
+
+
+def in_turns(forms: dict[str, Callable[[], object]], calls: int, rounds: int, device) -> dict[str, float | str]:
+    """The median seconds a call of each form takes, the forms taking turns over `rounds` rounds (a slow spell of the
+    machine hits them all) after two untimed calls each (which compile the compiled ones); a form that raises is
+    left out of later rounds, and its entry is its error."""
+    results: dict[str, list[float] | str] = {}
+    for name, fn in forms.items():
+        try:
+            fail_if_asked(name)
+            fn(), fn()
+            results[name] = []
+        except Exception as err:
+            results[name] = "error: " + one_line(err)
+    for _ in range(rounds):
+        for name, fn in forms.items():
+            if isinstance(results[name], list):
+                try:
+                    results[name].append(timed(fn, calls, warmup=0, device=device))
+                except Exception as err:
+                    results[name] = "error: " + one_line(err)
+    return {name: statistics.median(r) if isinstance(r, list) else r for name, r in results.items()}
+
+
+def per_second(seconds: float | str, images: int) -> str:
+    return seconds if isinstance(seconds, str) else f"{images / seconds:.1f}"
+
+
+def default_table(sizes: dict, device, calls: dict, out, until) -> None:
+    rows = Table("default", "images/s, this device's default search", out, until)
+    for (size, dims), beam in itertools.product(sizes.items(), (1, 3)):
+        decoder = random_decoder(dims).to(device)
+
+        def measure(decoder=decoder, dims=dims, beam=beam):
+            row = {}
+            for batch in (1, 64):
+                a = annotations(dims, batch).to(device)
+                with torch.inference_mode():
+                    seconds = timed(lambda a=a: search(decoder, a, beam), calls[batch], device=device)
+                row[f"batch {batch}"] = f"{batch / seconds:.1f}"
+            return row
+
+        rows.measure({"sizes": size, "search": "greedy" if beam == 1 else f"beam {beam}"}, measure)
+    rows.finish()
+
+
+def bundled_table(name: str, title: str, forms: dict[str, tuple], device, calls: dict, out, until) -> None:
+    """The bundled model on 64 shapes test images, searched in each of `forms` (name -> the model and generate's
+    options), taking turns; the last form against the first."""
     from captioner import Captioner
     from captioner.data.shapes import ShapesDataset
 
-    model = Captioner.load("shapes").model
+    model = Captioner.load("shapes", device=device).model
     test = ShapesDataset("test", 64, seed=0)
     transform = model.encoder.preprocessing.transforms()
     with torch.inference_mode():
-        a = model.annotate(torch.stack([transform(test.load_image(i)) for i in range(len(test))]))  # (64,P,E)
-    rows = []
-    for beam in (1, 3):
-        for batch in (1, 64):
-            images = [a[i : i + 1] for i in range(64)] if batch == 1 else [a]  # one call per image, or one for all
-            rates = {form: [] for form in forms}
+        a = model.annotate(torch.stack([transform(test.load_image(i)) for i in range(len(test))]).to(device))
+    rows = Table(name, f"{title}, images/s, median of 3 rounds", out, until)
+    for beam, batch in itertools.product((1, 3), (1, 64)):
+        images = [a[i : i + 1] for i in range(64)] if batch == 1 else [a]  # one call per image, or one for all
+
+        def measure(beam=beam, batch=batch, images=images):
+            fns = {}
+            for form, (m, options) in forms.items():
+                calls_of = itertools.cycle(images)
+                fns[form] = lambda m=m, c=calls_of, o=options: m.generate(annotations=next(c), beam_size=beam, **o)
             with torch.inference_mode():
-                for m, options in forms.values():  # untimed: compiles a compiled model's shapes
-                    for x in images[:2]:
-                        m.generate(annotations=x, beam_size=beam, **options)
-                for _ in range(3):  # the forms take turns
-                    for form, (m, options) in forms.items():
-                        calls, kwargs = itertools.cycle(images), {"beam_size": beam, **options}
-                        seconds = timed(lambda c=calls, m=m, k=kwargs: m.generate(annotations=next(c), **k), calls=9)
-                        rates[form].append(batch / seconds)
-            medians = {form: statistics.median(values) for form, values in rates.items()}
+                medians = in_turns(fns, calls[batch], 3, device)
+            row = {form: per_second(seconds, batch) for form, seconds in medians.items()}
             first, last = medians[next(iter(forms))], medians[list(forms)[-1]]
-            row = {"search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch}
-            row |= {form: f"{value:.1f}" for form, value in medians.items()} | {"ratio": f"{last / first:.2f}x"}
-            rows.append(row)
-    return f"{title}, median of 3 rounds\n\n{table(rows)}"
+            if not isinstance(first, str) and not isinstance(last, str):
+                row["ratio"] = f"{first / last:.2f}x"
+            return row
+
+        rows.measure({"search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch}, measure)
+    rows.finish()
 
 
-def sync_free_table() -> str:
-    """The shrinking search (the CPU's default) against the sync-free one (CUDA's), which runs every caption to the
-    last one's end, reading whether all have ended every CHECK_EVERY words as on a GPU."""
-    from captioner import Captioner
+def random_compiled_table(sizes: dict, device, calls: dict, out, until) -> None:
+    rows = Table("random_compiled", "images/s: eager (this device's default search) and compiled", out, until)
+    for size, dims in sizes.items():
+        eager = random_decoder(dims).to(device)
+        compiled = random_decoder(dims).to(device).compile_steps(**compile_options(device))
+        for beam, batch in itertools.product((1, 3), (1, 64)):
 
-    model = Captioner.load("shapes").model
-    forms = {"shrinking": (model, {"sync_free": False}), "sync-free": (model, {"sync_free": True, "check_every": 8})}
-    title = "the bundled model on 64 shapes test images, images/s: shrinking (the CPU's default) and sync-free (CUDA's)"
-    return bundled_table(forms, title)
+            def measure(beam=beam, batch=batch, dims=dims, eager=eager, compiled=compiled):
+                a = annotations(dims, batch).to(device)
+                forms = {"eager (default)": lambda: search(eager, a, beam)}
+                forms["compiled"] = lambda: search(compiled, a, beam)
+                with torch.inference_mode():
+                    medians = in_turns(forms, calls[batch], 3, device)
+                row = {form: per_second(seconds, batch) for form, seconds in medians.items()}
+                if not any(isinstance(s, str) for s in medians.values()):
+                    row["gain"] = f"{medians['eager (default)'] / medians['compiled']:.2f}x"
+                return row
+
+            rows.measure({"sizes": size, "search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch}, measure)
+    rows.finish(", median of 3 rounds")
 
 
-def compiled_table() -> str:
-    """`Captioner.load("shapes")` against `Captioner.load("shapes", compile_decoder=True)`, each searching as it does
-    by default on this device."""
-    from captioner import Captioner
+def tutorial_table(dims: tuple, sizes: str, device, calls: dict, out, until) -> None:
+    """Beam 3 at `dims`: the tutorial's search against captioner's forms, at batch 1 and 64 (one row per form,
+    measured one form at a time so that a failing one costs only its row)."""
+    decoder = random_decoder(dims).to(device)
+    compiled = random_decoder(dims).to(device).compile_steps(**compile_options(device))
+    images = annotations(dims, 64).to(device)
+    rows = Table("tutorial", f"beam 3, images/s at the {sizes} sizes ({MAX_LEN} words an image)", out, until)
+    with torch.inference_mode():
+        reference = search(decoder, images, 3, sync_free=True).tokens
+
+    def tutorial(a: torch.Tensor) -> None:
+        for i in range(a.size(0)):  # one image at a time, as the tutorial's caption.py does
+            tutorial_beam_search(decoder, a[i : i + 1], 3, MAX_LEN)
 
     forms = {
-        "eager (default)": (Captioner.load("shapes").model, {}),
-        "compile_decoder": (Captioner.load("shapes", compile_decoder=True).model, {}),
+        "tutorial, one image at a time": (tutorial, None),
+        "captioner, sync-free (CUDA's default)": (lambda a: search(decoder, a, 3, sync_free=True), decoder),
+        "captioner, shrinking (the CPU's default)": (lambda a: search(decoder, a, 3, sync_free=False), decoder),
+        "compile_decoder, a graph per 8 words (its default)": (lambda a: search(compiled, a, 3), compiled),
+        "compile_decoder, the whole search one graph (check_every=16)": (
+            lambda a: search(compiled, a, 3, check_every=MAX_LEN),
+            compiled,
+        ),
     }
-    return bundled_table(forms, "the bundled model on 64 shapes test images, images/s: eager and compile_decoder")
+    base: dict[int, float] = {}
+    for name, (fn, model) in forms.items():
 
+        def measure(fn=fn, model=model, name=name):
+            row = {}
+            for batch in (1, 64):
+                picks = itertools.cycle(range(64))
 
-def random_compiled_table() -> str:
-    """Random decoders at both sizes: eager (this device's default search) against `compile_steps` (the word compiled
-    at fixed shapes, sync-free search), taking turns over three rounds."""
-    rows = []
-    for size in SIZES:
-        eager, compiled = random_decoder(size), random_decoder(size).compile_steps()
-        for beam, batch in itertools.product((1, 3), (1, 64)):
-            images_per_second(compiled, size, batch, beam, warmup=3)  # compiles: one or two graphs per shape
-            rates = {"eager": [], "compiled": []}
-            for _ in range(3):  # the two take turns, so that a slow spell of the machine hits both
-                rates["eager"].append(images_per_second(eager, size, batch, beam))
-                rates["compiled"].append(images_per_second(compiled, size, batch, beam))
-            before, after = (statistics.median(rates[name]) for name in ("eager", "compiled"))
-            rows.append(
-                {
-                    "sizes": size,
-                    "search": "greedy" if beam == 1 else f"beam {beam}",
-                    "batch": batch,
-                    "eager (default)": f"{before:.1f}",
-                    "compiled": f"{after:.1f}",
-                    "gain": f"{after / before:.2f}x",
-                }
-            )
-    return (
-        "images/s: the decoder eager (this device's default search) and compiled with torch.compile at fixed shapes "
-        f"(sync-free search), median of 3 rounds\n\n{table(rows)}"
-    )
+                def call(batch=batch, picks=picks):
+                    i = next(picks)
+                    return fn(images[i : i + 1] if batch == 1 else images)
+
+                with torch.inference_mode():
+                    seconds = timed(call, calls[batch], warmup=2, device=device)
+                rate = batch / seconds
+                if model is None:  # the tutorial's: what the other rows are compared with
+                    base[batch] = rate
+                ratio = f" ({rate / base[batch]:.2f}x)" if batch in base else ""
+                row[f"batch {batch}"] = f"{rate:.1f}{ratio}"
+            if model is not None:  # the same captions as the eager sync-free search, for all 64 images
+                with torch.inference_mode():
+                    got = fn(images)
+                row["captions as eager"] = "same" if torch.equal(got.tokens, reference) else "DIFFERENT"
+            return row
+
+        rows.measure({"beam 3": name}, measure)
+    rows.finish()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compiled-only", action="store_true", help="only the last table (eager against compiled)")
-    args = parser.parse_args()
-    print(f"# decode.py on {machine()}\n")
-    if not args.compiled_only:
-        rows = []
-        for size in SIZES:
-            decoder = random_decoder(size)
-            for beam in (1, 3):
-                single, batched = (images_per_second(decoder, size, batch, beam) for batch in (1, 64))
-                search = "greedy" if beam == 1 else f"beam {beam}"
-                rows.append({"sizes": size, "search": search, "batch 1": f"{single:.1f}", "batch 64": f"{batched:.1f}"})
-        print("images/s\n")
-        print(table(rows))
-        print("\n" + sync_free_table())
-        print("\n" + compiled_table() + "\n")
-    print(random_compiled_table())
+    parser.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call or two: checks the script only")
+    parser.add_argument("--out", help="a folder for each table's rows (<table>.jsonl as measured, <table>.md)")
+    parser.add_argument("--budget", type=float, help="seconds: forms not started by then become rows that say so")
+    options = parser.parse_args()
+    tables = options.tables.split(",")
+    if unknown := set(tables) - set(TABLES):
+        parser.error(f"no table named {', '.join(sorted(unknown))}")
+    device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
+    out, until = out_folder(options.out), deadline(options.budget)
+    sizes = {"tiny": TINY} if options.smoke else SIZES
+    calls = {1: 1, 64: 1} if options.smoke else {1: 20, 64: 3} if device.type == "cuda" else {1: 9, 64: 5}
+    print(f"# decode.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
+    stand_in = contextlib.nullcontext()
+    if options.smoke:  # compiled forms as CUDA graphs would treat them, without generating code
+        sys.path.insert(0, str(REPO))
+        from tests.cuda_graphs import cuda_graph_stand_in
+
+        stand_in = cuda_graph_stand_in()
+    with stand_in:
+        if "default" in tables:
+            default_table(sizes, device, calls, out, until)
+        if "sync_free" in tables:
+            forms = {"shrinking": {"sync_free": False}, "sync-free": {"sync_free": True, "check_every": 8}}
+            from captioner import Captioner
+
+            model = Captioner.load("shapes", device=device).model
+            title = "the bundled model on 64 shapes test images: shrinking (the CPU's default), sync-free (CUDA's)"
+            bundled_table("sync_free", title, {k: (model, o) for k, o in forms.items()}, device, calls, out, until)
+        if "compiled" in tables:
+            from captioner import Captioner
+
+            forms = {
+                "eager (default)": (Captioner.load("shapes", device=device).model, {}),
+                "compile_decoder": (Captioner.load("shapes", device=device, compile_decoder=True).model, {}),
+            }
+            title = "the bundled model on 64 shapes test images: eager and compile_decoder"
+            bundled_table("compiled", title, forms, device, calls, out, until)
+        if "random_compiled" in tables:
+            random_compiled_table(sizes, device, calls, out, until)
+        if "tutorial" in tables:
+            dims, name = (TINY, "tiny") if options.smoke else (SIZES["paper"], "paper's")
+            tutorial_table(dims, name, device, calls, out, until)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,37 +1,41 @@
-"""`captioner fit` as users run it on COCO: the shipped `configs/coco_resnet101.yaml` (the paper's sizes: ResNet-101 at
-448 pixels pooled to 14x14x2048, a 512-d decoder, a vocabulary of about 10,000 words; frozen encoder, feature cache,
-clipping, both loggers, checkpoints, early stopping, the progress bar), run through the CLI in a new process, on a
-synthetic Karpathy split of COCO's shape. And, in the same run, the compiled training step alone.
+"""`captioner fit --config configs/coco_resnet101.yaml` as users run it, at COCO's size, on one GPU: the paper's model
+(ResNet-101 at 448 pixels pooled to 14x14x2048, a 512-d decoder, about 10,000 words) through the image cache, on a
+synthetic Karpathy split of COCO's shape; each phase's seconds, the fit's share of the same steps run alone, and the
+projected time of the paper's schedule.
 
-    python benchmarks/fit.py                   # on a CUDA machine: 5,000 training images, 300 val, 3 epochs
-    python benchmarks/fit.py --images 20000    # larger (the feature cache takes 157 KiB per image in float16)
-    python benchmarks/fit.py --smoke           # tiny, on the CPU: checks the script; its figures mean nothing
+    python benchmarks/fit.py                    # COCO's full size: 113,287 training images, 5,000 val (GPU: ~10 min)
+    python benchmarks/fit.py --fraction 0.25    # a quarter of the training images; validation stays 5,000 images
+    python benchmarks/fit.py --smoke            # tiny, on the CPU: checks the script; its figures mean nothing
 
-The data: `dataset_coco.json` with COCO's Karpathy layout (splits train/restval/val/test, five captions per image);
-caption lengths of 7 + Poisson(3.5) words (COCO's mean, about 10.5); words drawn from a Zipf distribution over 10,000
-types, each type used at least five times so that the vocabulary (min_word_count 5) has COCO's 10,000 words. Images
-are JPEG files at COCO's sizes (640x480, 480x640, 640x427, 500x375, 427x640), eight distinct ones of smooth noise,
-linked under every file name: every image is read and decoded as a real one would be.
+The data (`common.write_split`, on this machine's disk): `dataset_coco.json` in Karpathy's layout, five captions an
+image of COCO's lengths over a 10,000-word vocabulary, and JPEG files at COCO's sizes (eight distinct ones, linked
+under every name: each is read and decoded as a real one would be).
 
-It reports:
-- setup: from the reading of the config to the first training batch (reading the split, the vocabulary, building the
-  feature cache of the training and validation images), and the images cached per second of it;
-- training captions/s of each epoch (the first compiles the step's shapes; the later ones are the figure), and where
-  the host's time goes per step: between steps (the loader's next batch, its copy to the device, Lightning's loop) and
-  within (the step's queueing, and any wait for the device);
-- validation: seconds per 1,000 images (the loss and a greedy decode of every image, then the corpus scores);
-- the compiled step alone at the same sizes and precision (forward, loss, backward, clipping at 5, Adam, under
-  bfloat16 autocast, as Lightning's bf16-mixed runs it), captions/s, on batches of the fit's shape (16 images x 5
-  captions of COCO's lengths: mostly 16 or 24 steps once bucketed), and the fit's share of it; and on gpu.py's
-  batches (64 captions of 8-16 tokens: 16 steps), the figure of earlier runs.
+The fit: the shipped config through the CLI, in a process of its own, for two epochs, with these changes:
+- the image cache, also where the feature cache would fit (`--data.init_args.feature_cache=false`): at COCO's size
+  the paper model's annotations (85 GiB in float16) do not fit a 64 GiB disk and the config falls back to it, so a
+  fraction rehearses the same path (the encoder runs at every step on the cache's 448x448 JPEGs);
+- an untrained encoder (`--model.pretrained=false`: torchvision's weights cannot be downloaded here; the speed is the
+  same), under bf16-mixed rather than the config's 16-mixed: an untrained ResNet-101's annotations reach 10^5, beyond
+  float16's range, and a first step under float16 autocast overflows, which a pretrained encoder's does not;
+- as many loader workers as the machine has cores, up to 16 (the config's 4 are for a small machine).
 
-Two changes to the shipped config, both forced by the machines it is meant for, which have no internet: the encoder
-is untrained (`--model.pretrained=false`: torchvision's weights cannot be downloaded), and the precision is bf16-mixed
-rather than the config's 16-mixed. An untrained ResNet-101's annotations reach 10^5, beyond float16's range (65,504):
-under float16 autocast the first projection overflows and the run stops on an infinite loss, which a pretrained
-encoder's annotations do not do. bfloat16 has float32's range. (So the cache is float32 too, as a log line says: twice
-the disk of a pretrained encoder's float16 cache, and slower to read. 16-mixed would also add a read of the
-GradScaler's overflow flag at every step, which bf16-mixed does not have.)
+Epoch 0 compiles the step's graphs and carries the instruments, so it is never timed, and is not validated
+(`--trainer.check_val_every_n_epoch=2`: validation, of 5,000 images, after epoch 1 only): after its first 100 steps,
+40 steps between two logging steps run under torch.cuda.set_sync_debug_mode("warn") (every operation that makes the
+host wait for the GPU, with its line; on a CPU, tests/host_syncs.py's HostSyncs), and after the next logging step 40
+more under torch.profiler (a `torch.profiler.schedule`: the wall and the device's busy milliseconds per step, and the
+operators that take the most host and device time). Epoch 1 is the timed one. (Lightning's ThroughputMonitor would
+time it, but it synchronizes the device at every step, the very wait this fit must not have; its Timer times a
+stage whole, and here an epoch's training and validation interleave.) Before epoch 1, in the same process, the same
+steps run alone on 16 of its own batches, already on the device (forward, loss, backward, clipping, Adam, under the
+fit's precision, through the graphs epoch 0 compiled): what the fit would train at with no loader and no Lightning
+loop. (Their few optimizer steps train the model on a little further; the speed of what follows is the same.)
+
+Each phase's row is printed, and written to --out (fit.jsonl), as soon as it ends: a run stopped early keeps them.
+The projection: the config's 20 epochs of the full training split (566,435 captions an epoch), each followed by a
+validation of 5,000 images, plus the set-up, the image cache's build and the compiling, each scaled from what this
+run measured to COCO's size where it grows with the data.
 """
 
 from __future__ import annotations
@@ -46,434 +50,393 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
-from common import machine, table
+from common import COCO, REPO, Table, machine, out_folder, synchronize, write_split
 from lightning.pytorch.callbacks import Callback
-from PIL import Image
 
-REPO = Path(__file__).resolve().parent.parent
-SIZES = [(640, 480), (480, 640), (640, 427), (500, 375), (427, 640)]  # COCO's commonest image sizes
-TYPES = 10_000  # word types: COCO's vocabulary at min_word_count 5 is about this size
 START = time.perf_counter()  # in the fit's process: imported as its config is read, before the data are read
+EPOCHS = 20  # configs/coco_resnet101.yaml's max_epochs
+FULL_CAPTIONS = 5 * (COCO["train"] + COCO["restval"])  # an epoch of the full training split
 
 
-def write_images(folder: Path, names: list[str], distinct: int = 8, seed: int = 0) -> None:
-    """JPEG files at COCO's sizes under `names`: `distinct` different ones, the rest links to them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    generator = np.random.default_rng(seed)
-    sources = []
-    for i in range(distinct):
-        width, height = SIZES[i % len(SIZES)]
-        coarse = generator.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
-        smooth = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
-        noise = generator.normal(0, 12, (height, width, 3))
-        pixels = np.clip(np.asarray(smooth, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
-        source = folder / f"source_{i}.jpg"
-        Image.fromarray(pixels).save(source, quality=90)
-        sources.append(source)
-    for i, name in enumerate(names):
-        os.symlink(sources[i % distinct].name, folder / name)
+class FitPhases(Callback):
+    """In the fit's process: each phase's seconds, as a row (`rows`: a folder for fit_phases.jsonl) and in a JSON
+    record (`record`), written as each phase ends; at the fit's end, the same steps alone (`bare_steps`). The device
+    is synchronized at each phase's end only (a few times an epoch)."""
 
+    def __init__(self, record: str, rows: str, bare_batches: int = 16):
+        self.path, self.bare_batches = Path(record), bare_batches
+        self.rows = Table("fit_phases", "the fit's phases, as each ends", Path(rows))
+        self.record: dict = {"phases": {}, "epochs": []}
+        self.mark = START
 
-def write_split(root: Path, counts: dict[str, int], seed: int = 0) -> int:
-    """`root/dataset_coco.json` and the images under root/train2014 and root/val2014; returns the images' count."""
-    generator = np.random.default_rng(seed)
-    total = sum(counts.values())
-    lengths = 7 + generator.poisson(3.5, (total, 5))
-    ranks = 1.0 / np.arange(1, TYPES + 1)
-    words = generator.choice(TYPES, size=int(lengths.sum()), p=ranks / ranks.sum())
-    train_words = int(lengths[: counts["train"] + counts["restval"]].sum())
-    covered = min(train_words, 5 * TYPES)  # each type five times in the training captions, where there is room
-    words[generator.permutation(train_words)[:covered]] = np.arange(covered) % TYPES
-    vocabulary = [f"w{i}" for i in range(TYPES)]
-    images, position, index = [], 0, 0
-    folders = {"train": "train2014", "restval": "val2014", "val": "val2014", "test": "val2014"}
-    names: dict[str, list[str]] = {"train2014": [], "val2014": []}
-    for split, count in counts.items():
-        for _ in range(count):
-            sentences = []
-            for length in lengths[index]:
-                tokens = [vocabulary[w] for w in words[position : position + length]]
-                position += length
-                sentences.append({"tokens": tokens, "raw": " ".join(tokens)})
-            name = f"COCO_{folders[split]}_{index:012d}.jpg"
-            names[folders[split]].append(name)
-            images.append(
-                {"filepath": folders[split], "filename": name, "split": split, "cocoid": index, "sentences": sentences}
-            )
-            index += 1
-    for folder, files in names.items():
-        write_images(root / folder, files)
-    (root / "dataset_coco.json").write_text(json.dumps({"images": images, "dataset": "coco"}))
-    return total
+    def _phase(self, pl_module, name: str, row: dict | None = None) -> float:
+        synchronize(pl_module.device)
+        now = time.perf_counter()
+        seconds, self.mark = now - self.mark, now
+        self.record["phases"][name] = seconds
+        self.rows.add({"phase": name, "seconds": f"{seconds:.1f}", **(row or {})})
+        self.path.write_text(json.dumps(self.record))
+        return seconds
 
+    def on_fit_start(self, trainer, pl_module):  # the datamodule is set up: the split read, the vocabulary built
+        self._phase(pl_module, "setup: the split and the vocabulary")
 
-class FitTimes(Callback):
-    """The fit's phases, written as JSON at its end: setup seconds (the config's reading to the first batch), and per
-    epoch the training seconds and captions, and the validation seconds and images. The device is synchronized at
-    each phase's end only (a few times an epoch), so that the times are the device's, not the host's queueing."""
+    def on_sanity_check_start(self, trainer, pl_module):  # the val loader made: its image cache built
+        self._phase(pl_module, "image cache: the val split")
 
-    def __init__(self, output: str):
-        self.output = output
-        self.record: dict = {"setup": None, "epochs": []}
-        self.since = 0.0
+    def on_sanity_check_end(self, trainer, pl_module):
+        self._phase(pl_module, "sanity check: 2 val batches")
 
-    def _now(self, pl_module) -> float:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        return time.perf_counter()
+    def on_train_start(self, trainer, pl_module):  # the training loader made: its image cache built
+        self._phase(pl_module, "image cache: the training split")
 
     def on_train_epoch_start(self, trainer, pl_module):
-        now = self._now(pl_module)
-        if self.record["setup"] is None:
-            self.record["setup"] = now - START
-        self.record["epochs"].append({"training": 0.0, "captions": 0, "validation": 0.0, "images": 0})
-        self.record["epochs"][-1] |= {"steps": 0, "in_step": 0.0, "between_steps": 0.0}
-        self.since = self.step_end = now
+        if trainer.current_epoch == 1:  # the graphs are compiled: the steps alone first, then the timed epoch
+            self.rows.measure({"phase": "the same steps alone: the fit's batches, on the device"}, self.bare_steps)
+        synchronize(pl_module.device)
+        self.mark = self.step_end = time.perf_counter()
+        self.epoch = {"training": 0.0, "captions": 0, "steps": 0, "in_step": 0.0, "between_steps": 0.0}
+        self.epoch |= {"validation": 0.0, "images": 0}
+        self.record["epochs"].append(self.epoch)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         # The host's time, no device read: from a step's end to the next one's start (the loader's next batch, its
         # copy to the device, the loop) and within the step (queueing its work, and any wait for the device in it)
         self.step_start = time.perf_counter()
-        self.record["epochs"][-1]["between_steps"] += self.step_start - self.step_end
+        self.epoch["between_steps"] += self.step_start - self.step_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.step_end = time.perf_counter()
-        epoch = self.record["epochs"][-1]
-        epoch["in_step"] += self.step_end - self.step_start
-        epoch["steps"] += 1
+        self.epoch["in_step"] += self.step_end - self.step_start
+        self.epoch["steps"] += 1
         if batch:
-            epoch["captions"] += batch["captions"].size(0)  # a shape: no read of the device
+            self.epoch["captions"] += batch["captions"].size(0)  # a shape: no read of the device
 
     def on_validation_start(self, trainer, pl_module):
-        if self.record["epochs"] and not trainer.sanity_checking:
-            now = self._now(pl_module)
-            self.record["epochs"][-1]["training"] += now - self.since
-            self.since = now
+        if not trainer.sanity_checking and self.record["epochs"]:
+            self._training_ends(pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module):  # an epoch without validation
+        if "training_row" not in self.epoch:
+            self._training_ends(pl_module)
+
+    def _training_ends(self, pl_module) -> None:
+        i, epoch = len(self.record["epochs"]) - 1, self.epoch
+        synchronize(pl_module.device)
+        epoch["training"] = time.perf_counter() - self.mark
+        per_step = {key: 1000 * epoch[key] / max(1, epoch["steps"]) for key in ("between_steps", "in_step")}
+        name = f"epoch {i}: training" + (" (compiling; instrumented: not a rate)" if i == 0 else "")
+        rate = f"{epoch['captions'] / epoch['training']:.0f} captions/s" if i else ""
+        host = "{between_steps:.2f}, {in_step:.2f}".format(**per_step)
+        row = {"steps": epoch["steps"], "figure": rate, "host ms a step: loader and loop, step": host}
+        epoch["training_row"] = True
+        self._phase(pl_module, name, row)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        if self.record["epochs"] and not trainer.sanity_checking and batch:
-            self.record["epochs"][-1]["images"] += batch["index"].numel()
+        if not trainer.sanity_checking and self.record["epochs"] and batch:
+            self.epoch["images"] += batch["index"].numel()
 
     def on_validation_end(self, trainer, pl_module):
-        if self.record["epochs"] and not trainer.sanity_checking:
-            now = self._now(pl_module)
-            self.record["epochs"][-1]["validation"] += now - self.since
-            self.since = now
-            self._report()
+        if not trainer.sanity_checking and self.record["epochs"]:
+            i, images = len(self.record["epochs"]) - 1, self.epoch["images"]
+            synchronize(pl_module.device)
+            self.epoch["validation"] = time.perf_counter() - self.mark
+            figure = f"{1000 * self.epoch['validation'] / max(1, images):.2f} s per 1,000 images"
+            self._phase(pl_module, f"epoch {i}: validation ({images:,} images)", {"figure": figure})
 
-    def _report(self) -> None:
-        """Each epoch's figures as soon as it ends, and the record so far: a run stopped early keeps them."""
-        print(f"\nFitTimes: setup {self.record['setup']:.1f} s; {self.record['epochs'][-1]}", flush=True)
-        Path(self.output).write_text(json.dumps(self.record))
+    def bare_steps(self) -> dict:
+        """The fit's own step (`TeacherForcing` through the model, the graphs it compiled), its backward, clipping at
+        the config's value and Adam, under its precision, on `bare_batches` of its training batches moved to the
+        device first: a loop with no loader and no Lightning around it. And the decoder's part alone, on those
+        batches' annotations (the encoder's output computed first)."""
+        from captioner.objectives import TeacherForcing
 
-    def on_train_epoch_end(self, trainer, pl_module):
-        if not trainer.val_dataloaders or trainer.limit_val_batches == 0:  # no validation closed the segment
-            now = self._now(pl_module)
-            self.record["epochs"][-1]["training"] += now - self.since
-            self._report()
+        trainer, module = self.trainer, self.module
+        model = module.model
+        iterator = iter(trainer.datamodule.train_dataloader())
+        batches = [trainer.strategy.batch_to_device(next(iterator)) for _ in range(self.bare_batches)]
+        del iterator
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        clip = trainer.gradient_clip_val or 0.0
+        objective = TeacherForcing()
 
-    def on_fit_end(self, trainer, pl_module):
-        Path(self.output).write_text(json.dumps(self.record))
+        def step(batch):
+            optimizer.zero_grad(set_to_none=True)
+            with trainer.precision_plugin.forward_context():
+                loss, _ = objective(model, batch)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+
+        def rate(data) -> float:
+            for batch in data:  # a caption length not met in the fit compiles here, untimed
+                step(batch)
+            synchronize(module.device)
+            start = time.perf_counter()
+            for _ in range(3):
+                for batch in data:
+                    step(batch)
+            synchronize(module.device)
+            return 3 * sum(b["captions"].size(0) for b in data) / (time.perf_counter() - start)
+
+        alone = rate(batches)
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            annotated = [{**b, "images": None, "annotations": model.annotate(b["images"])} for b in batches]
+        decoder = rate(annotated)
+        self.record["bare"] = {"captions_per_s": alone, "decoder_captions_per_s": decoder}
+        return {"figure": f"{alone:.0f} captions/s", "the decoder's part alone": f"{decoder:.0f} captions/s"}
+
+    def setup(self, trainer, pl_module, stage):
+        self.trainer, self.module = trainer, pl_module
 
 
-class SyncStretch(Callback):
-    """Watches `steps` training steps of epoch `epoch`, starting at the first step after a logging step, and writes
-    to `output` (JSON) each operation that made the host wait for the device, with where it ran: on CUDA through
-    torch.cuda.set_sync_debug_mode("warn"), elsewhere through tests/host_syncs.py's HostSyncs (torch's Adam step
-    counts and FiniteLosses' host buffer count as host memory, as on CUDA). The stretch ends before the next logging
-    step, whose reads are the loggers' (README, "Speed")."""
+class Instruments(Callback):
+    """In epoch 0, once `after` steps have run (the step's graphs compiled): `steps` steps from a logging step on
+    under a watch for host waits, then `steps` more from the next logging step under torch.profiler; each stretch
+    ends before the next logging step, whose reads are the loggers'. Writes `<folder>/waits.json` and
+    `<folder>/profile.txt`."""
 
-    def __init__(self, output: str, epoch: int = 1, steps: int = 40):
-        self.output, self.epoch, self.steps = output, epoch, steps
+    def __init__(self, folder: str, after: int = 100, steps: int = 40):
+        self.folder, self.after, self.steps = Path(folder), after, steps
+        self.watch = self.profiler = None
         self.first: int | None = None
-        self.watch = None
-        self.seen: list[str] = []
+        self.profiled = False
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def _boundary(self, trainer) -> bool:
         every = trainer.log_every_n_steps
-        if self.first is None and trainer.current_epoch == self.epoch and trainer.global_step % every == 0:
-            if self.steps >= every:
-                raise ValueError(f"a stretch of {self.steps} steps would include a logging step (every {every})")
+        if self.steps >= every:
+            raise ValueError(f"a stretch of {self.steps} steps would hold a logging step (every {every})")
+        return trainer.current_epoch == 0 and trainer.global_step >= self.after and trainer.global_step % every == 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.watch is None and self.first is None and self._boundary(trainer):
             self.first = trainer.global_step
-            self._start(trainer, pl_module)
+            self._watch(trainer, pl_module)
+        elif self.profiler is None and not self.profiled and self._after_the_watch(trainer):
+            self._profile(pl_module)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.watch is not None and trainer.global_step - self.first == self.steps:  # global_step: steps done
-            self._stop(trainer)
+    def _after_the_watch(self, trainer) -> bool:
+        return self.first is not None and trainer.global_step > self.first and self._boundary(trainer)
 
-    def _start(self, trainer, pl_module) -> None:
+    def _watch(self, trainer, pl_module) -> None:
         if pl_module.device.type == "cuda":
-            self.watch = warnings.catch_warnings(record=True)
-            self.caught = self.watch.__enter__()
+            self.caught = warnings.catch_warnings(record=True)
+            self.seen = self.caught.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+            self.watch = "cuda"
         else:
             sys.path.insert(0, str(REPO))
             from tests.host_syncs import HostSyncs
 
             optimizer = trainer.optimizers[0]
 
-            def on_the_host():
+            def on_the_host():  # torch's Adam keeps its step counts there, FiniteLosses its copy of a loss
                 return [state["step"] for state in optimizer.state.values()] + [pl_module.finite_losses.host]
 
             self.watch = HostSyncs(on_the_host)
             self.watch.__enter__()
 
-    def _stop(self, trainer) -> None:
-        if isinstance(self.watch, warnings.catch_warnings):
+    def _profile(self, pl_module) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if pl_module.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # the step that enters it is warm-up; then `steps` steps recorded, and the report written
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=self.steps, repeat=1)
+        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._report)
+        self.device = pl_module.device
+        self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.watch is not None and trainer.global_step - self.first == self.steps:
+            self._stop_watch()
+        if self.profiler is not None:
+            if self.profiler.step_num == 0:  # the warm-up step ends: the recorded steps begin
+                synchronize(self.device)
+                self.start = time.perf_counter()
+            self.profiler.step()  # after the last recorded step, writes the report (`_report`)
+            if self.profiled:
+                self.profiler.__exit__(None, None, None)
+                self.profiler = None
+
+    def _stop_watch(self) -> None:
+        if self.watch == "cuda":
             torch.cuda.set_sync_debug_mode(0)
             # torch's text for a wait; not its warning that the debug mode is a prototype, caught here too
-            waits = [w for w in self.caught if "called a synchronizing CUDA operation" in str(w.message)]
-            self.seen = [f"{w.filename}:{w.lineno}: {w.message}" for w in waits]
-            self.watch.__exit__(None, None, None)
+            waits = [w for w in self.seen if "called a synchronizing CUDA operation" in str(w.message)]
+            lines = [f"{w.filename}:{w.lineno}: {w.message}" for w in waits]
+            self.caught.__exit__(None, None, None)
         else:
             self.watch.__exit__(None, None, None)
-            self.seen = [f"{where}: {what}" for what, where in self.watch.seen]
+            lines = [f"{where}: {what}" for what, where in self.watch.seen]
         self.watch = None
-        record = {"first_step": self.first, "steps": self.steps, "waits": self.seen}
-        Path(self.output).write_text(json.dumps(record, indent=1))
+        record = {"first_step": self.first, "steps": self.steps, "waits": lines}
+        (self.folder / "waits.json").write_text(json.dumps(record, indent=1))
+        print(f"\n{len(lines)} host waits in {self.steps} steps from step {self.first}", flush=True)
 
-
-class ProfileStretch(Callback):
-    """Profiles `steps` training steps of epoch `epoch` with torch.profiler, from its second logging step on (after
-    SyncStretch's stretch, so that the two do not overlap; again a stretch without a logging step), and writes to
-    `output` where the time goes: the wall and the device's busy milliseconds per step (the device's share of the
-    wall says whether the GPU waits for the host), and the operators that take the most host time and device time."""
-
-    def __init__(self, output: str, epoch: int = 1, steps: int = 20, rows: int = 20):
-        self.output, self.epoch, self.steps, self.rows = output, epoch, steps, rows
-        self.boundaries = 0
-        self.first: int | None = None
-        self.profiler = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        every = trainer.log_every_n_steps
-        if self.first is None and trainer.current_epoch == self.epoch and trainer.global_step % every == 0:
-            self.boundaries += 1
-            if self.boundaries == 2:
-                if self.steps >= every:
-                    raise ValueError(f"a stretch of {self.steps} steps would include a logging step (every {every})")
-                self.first = trainer.global_step
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if pl_module.device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                    torch.cuda.synchronize(pl_module.device)
-                self.profiler = torch.profiler.profile(activities=activities)
-                self.profiler.__enter__()
-                self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.profiler is None or trainer.global_step - self.first < self.steps:
-            return
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+    def _report(self, profiler) -> None:
+        synchronize(self.device)
         wall = time.perf_counter() - self.start
-        self.profiler.__exit__(None, None, None)
-        events = self.profiler.key_averages()
-        self.profiler = None
+        self.profiled = True
+        events = profiler.key_averages()
         busy = sum(event.self_device_time_total for event in events) / 1e3  # microseconds to ms
         lines = [
-            f"{self.steps} steps from step {self.first}: wall {1000 * wall / self.steps:.2f} ms per step, device busy"
-            f" {busy / self.steps:.2f} ms per step ({busy / (1000 * wall):.0%} of the wall)",
+            f"{self.steps} steps: wall {1000 * wall / self.steps:.2f} ms a step, device busy {busy / self.steps:.2f}"
+            f" ms a step ({busy / (1000 * wall):.0%} of the wall)",
             "",
             "host time, most first:",
-            events.table(sort_by="self_cpu_time_total", row_limit=self.rows),
+            events.table(sort_by="self_cpu_time_total", row_limit=20),
         ]
-        if pl_module.device.type == "cuda":
-            lines += ["device time, most first:", events.table(sort_by="self_device_time_total", row_limit=self.rows)]
-        Path(self.output).write_text("\n".join(lines))
+        if self.device.type == "cuda":
+            lines += ["device time, most first:", events.table(sort_by="self_device_time_total", row_limit=20)]
+        (self.folder / "profile.txt").write_text("\n".join(lines))
+        print(lines[0], flush=True)
+
+    def on_train_epoch_end(self, trainer, pl_module):  # an epoch too short for the stretches
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.profiler = None
+        if self.watch is not None:
+            self._stop_watch()
 
 
-def fit_command(root: Path, epochs: int, smoke: bool, *extra: str) -> list[str]:
-    """`captioner fit --config configs/coco_resnet101.yaml` on the data in `root`, with the two changes this script
-    makes (its docstring says why), and `extra` arguments."""
+# The CLI, with the compiled step under tests/cuda_graphs.py's stand-in (--smoke: as CUDA graphs would treat it)
+SMOKE_CLI = """
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+from tests.cuda_graphs import cuda_graph_stand_in
+from captioner.cli import main
+with cuda_graph_stand_in("eager"):
+    main(sys.argv[1:])
+"""
+
+
+def fit_command(root: Path, smoke: bool, *extra: str) -> list[str]:
+    """`captioner fit --config configs/coco_resnet101.yaml` on the data in `root`, with this script's changes (its
+    docstring says why) and `extra` arguments."""
+    cli = [sys.executable, "-c", SMOKE_CLI, str(REPO)] if smoke else [sys.executable, "-m", "captioner.cli"]
     command = [
-        sys.executable,
-        "-m",
-        "captioner.cli",
+        *cli,
         "fit",
         f"--config={REPO / 'configs' / 'coco_resnet101.yaml'}",
-        "--model.pretrained=false",  # torchvision's weights cannot be downloaded here (the speed is the same)
+        "--model.pretrained=false",
         "--data.init_args.download=false",
         f"--data.init_args.data_dir={root}",
-        f"--trainer.max_epochs={epochs}",
+        "--data.init_args.feature_cache=false",
+        f"--data.init_args.num_workers={2 if smoke else min(16, os.cpu_count() or 1)}",
+        "--trainer.max_epochs=2",
+        "--trainer.check_val_every_n_epoch=2",  # validation after the timed epoch only
         f"--trainer.precision={'32-true' if smoke else 'bf16-mixed'}",
     ]
-    if smoke:  # minutes of ResNet-101 and of the paper's decoder on a CPU otherwise
-        command += ["--model.image_size=224", "--data.init_args.batch_size=4"]  # 4 images x 5 captions: 10 steps
+    if smoke:  # minutes of ResNet-101 at 448 and of the paper's decoder on a CPU otherwise
+        command += ["--model.image_size=224", "--data.init_args.batch_size=4", "--trainer.log_every_n_steps=5"]
         command += ["--model.embed_dim=32", "--model.decoder_dim=32", "--model.attention_dim=32"]
+        command.append("--model.compile=true")  # the GPU's default: the fixed-shape step, compiled
     return [*command, *extra]
 
 
-def run_in(root: Path, command: list[str]) -> None:
-    """Runs `command` in `root` (where the config's checkpoints and logs land), with benchmarks/ importable for the
-    callbacks its arguments name. Relative entries of PYTHONPATH are made absolute first: the folder changes."""
+def run_fit(root: Path, smoke: bool, rows: Path) -> dict:
+    """The fit in `root`, where the data are, with FitPhases (its rows to `rows`/fit_phases.jsonl) and Instruments:
+    what they recorded, and the fit's rows."""
+    record = root / "phases.json"
+    phases = {"record": str(record), "rows": str(rows), "bare_batches": 4 if smoke else 16}
+    instruments = {"folder": str(root), "after": 0 if smoke else 100, "steps": 3 if smoke else 40}
+    extra = [f"--trainer.callbacks+={json.dumps({'class_path': 'fit.FitPhases', 'init_args': phases})}"]
+    extra.append(f"--trainer.callbacks+={json.dumps({'class_path': 'fit.Instruments', 'init_args': instruments})}")
+    # benchmarks/ importable for the callbacks; relative entries of PYTHONPATH made absolute (the folder changes)
     paths = [str(Path(__file__).resolve().parent)]
     paths += [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, check=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    status = subprocess.run(fit_command(root, smoke, *extra), cwd=root, env=env).returncode
+    result = json.loads(record.read_text()) if record.exists() else {"phases": {}, "epochs": []}
+    waits, profile = root / "waits.json", root / "profile.txt"
+    result["waits"] = json.loads(waits.read_text()) if waits.exists() else None
+    result["profile"] = profile.read_text() if profile.exists() else None
+    written = rows / "fit_phases.jsonl"
+    result["rows"] = [json.loads(line) for line in written.read_text().splitlines()] if written.exists() else []
+    return result | {"status": status}
 
 
-def run_fit(root: Path, epochs: int, smoke: bool, sync_stretch: bool = False) -> dict:
-    """The fit in `root`, where the data are, with FitTimes (and SyncStretch and ProfileStretch in its second epoch):
-    what they recorded."""
-    times = root / "times.json"
-    timer = json.dumps({"class_path": "fit.FitTimes", "init_args": {"output": str(times)}})
-    extra = [f"--trainer.callbacks+={timer}"]
-    if sync_stretch:
-        steps, every = (3, 5) if smoke else (40, 50)
-        watch = {"class_path": "fit.SyncStretch", "init_args": {"output": str(root / "stretch.json"), "steps": steps}}
-        profile = {"class_path": "fit.ProfileStretch", "init_args": {"output": str(root / "profile.txt")}}
-        profile["init_args"]["steps"] = steps
-        extra += [f"--trainer.callbacks+={json.dumps(watch)}", f"--trainer.log_every_n_steps={every}"]
-        extra += [f"--trainer.callbacks+={json.dumps(profile)}"]
-        if smoke:  # the fixed-shape step, as on CUDA (Dynamo's capture without code generation)
-            extra += ["--model.compile=true", "--model.compile_backend=eager"]
-    run_in(root, fit_command(root, epochs, smoke, *extra))
-    record = json.loads(times.read_text())
-    if sync_stretch:
-        record["stretch"] = json.loads((root / "stretch.json").read_text())
-        profiled = root / "profile.txt"
-        record["profile"] = profiled.read_text() if profiled.exists() else "(not reached: the epoch is too short)"
-    return record
-
-
-def fit_batches(sizes: dict, device: torch.device, count: int = 8, seed: int = 0) -> list[tuple]:
-    """`count` batches of the fit's shape: 16 images' annotations (16,P,E) with 5 captions each (80 captions, the
-    config's grouped batches), of write_split's lengths (7 + Poisson(3.5) words, then <start> and <end>), padded to
-    the batch's longest as the loader pads them; the step pads them further to its bucket (`bucket_steps`)."""
-    from gpu import SPECIAL
-
-    generator = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        lengths = torch.from_numpy(7 + generator.poisson(3.5, 80) + 2)  # tokens, <start> and <end> included
-        T = int(lengths.max())
-        captions = torch.from_numpy(generator.integers(3, sizes["V"], (80, T)))
-        captions[:, 0] = SPECIAL["start_index"]
-        captions[torch.arange(80), lengths - 1] = SPECIAL["end_index"]
-        captions[torch.arange(T) >= lengths.unsqueeze(1)] = SPECIAL["pad_index"]
-        a = torch.from_numpy(generator.standard_normal((16, sizes["P"], sizes["E"]), dtype=np.float32)).relu()
-        out.append((a.to(device), captions.to(device), lengths.to(device), 5))
-    return out
-
-
-def isolated_step(device: torch.device, smoke: bool) -> dict[str, float]:
-    """Captions/s of the compiled step alone at the paper's sizes, as Lightning's bf16-mixed runs it on CUDA: bfloat16
-    autocast, clipping at 5, Adam; on gpu.py's batches (64 captions of 8 to 16 tokens, each its own image's: the
-    figure of earlier runs) and on batches of the fit's shape (`fit_batches`: 80 captions, 16 images, COCO's lengths,
-    so mostly 16 or 24 steps after bucketing: the figure to compare the fit with). (--smoke: tiny sizes, float32,
-    Dynamo's capture without code generation.)"""
-    from gpu import PAPER, TINY, batches, model
-
-    sizes = TINY if smoke else PAPER
-    torch.compiler.reset()
-    m = model(sizes, device)
-    m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
-    optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
-
-    def step(a, captions, lengths, per_image=1):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = m(captions, lengths, annotations=a, captions_per_image=per_image).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)
-        optimizer.step()
-
-    rates = {}
-    forms = {"B=64": [(*batch, 1) for batch in batches(sizes, 64, device, count=8)], "fit": fit_batches(sizes, device)}
-    for name, data in forms.items():
-        for batch in data * 2:  # compiles each caption length's graph
-            step(*batch)
-        rounds = 1 if smoke else 20
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            for batch in data:
-                step(*batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rates[name] = rounds * sum(batch[1].size(0) for batch in data) / (time.perf_counter() - start)
-    return rates
+def projection(record: dict, counts: dict[str, int]) -> dict | None:
+    """The paper's schedule at COCO's size, from what this run measured: None until epoch 1 and its validation have
+    run. Returns its parts' seconds: each epoch's and validation's, and once the set-up (split, vocabulary), the image
+    cache's build and the compiling (epoch 0's time beyond its steps at epoch 1's rate)."""
+    phases, epochs = record["phases"], record["epochs"]
+    if len(epochs) < 2 or not epochs[1]["validation"] or not epochs[1]["captions"]:
+        return None
+    scale = FULL_CAPTIONS / (5 * (counts["train"] + counts["restval"]))  # this run's training split to COCO's
+    images = sum(counts.values())
+    setup = phases.get("setup: the split and the vocabulary", 0.0) * sum(COCO.values()) / images
+    cache = phases.get("image cache: the training split", 0.0) * scale + phases.get("image cache: the val split", 0.0)
+    per_step = epochs[1]["training"] / epochs[1]["steps"]
+    compiling = max(0.0, epochs[0]["training"] - per_step * epochs[0]["steps"])
+    epoch = FULL_CAPTIONS / (epochs[1]["captions"] / epochs[1]["training"])
+    validation = epochs[1]["validation"] * 5000 / max(1, epochs[1]["images"])
+    total = setup + cache + compiling + EPOCHS * (epoch + validation)
+    parts = {"setup": setup, "image cache": cache, "compiling": compiling, "epoch": epoch, "validation": validation}
+    return parts | {"total": total}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=5000, help="training images (a fifth of them as restval)")
-    parser.add_argument("--val", type=int, default=300, help="validation images (as many test images are written)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs: the first compiles, the later ones are timed")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
-    parser.add_argument(
-        "--sync-stretch",
-        action="store_true",
-        help="list the host's waits for the device in 40 steps of epoch 1, and profile 40 more",
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fraction", type=float, default=1.0, help="of COCO's training images (val: 5,000 always)")
+    parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU: checks the script only")
     parser.add_argument("--folder", help="where to write the data and run (default: a temporary folder, removed)")
+    parser.add_argument("--out", help="a folder for the rows (fit.jsonl as measured, fit.md), waits and profile")
     options = parser.parse_args()
-    if options.smoke:
-        options.images, options.val, options.epochs = 40, 8, 2
-    elif not torch.cuda.is_available():
+    if not options.smoke and not torch.cuda.is_available():
         print("fit.py: no CUDA device here; it measures a GPU's fit (--smoke checks the script on a CPU)")
         return
-    device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run: not a measurement)"
-    print(f"# fit.py on {name}; {machine()}\n", flush=True)
-
-    steps = isolated_step(device, options.smoke)  # first: its figures are kept if the fit runs out of time
-    print(f"the compiled step alone: {steps['B=64']:.0f} captions/s at B=64, {steps['fit']:.0f} on the fit's batches")
+    if options.smoke:
+        counts = {"train": 64, "restval": 16, "val": 8, "test": 8}
+    else:
+        counts = {split: round(n * options.fraction) for split, n in COCO.items() if split in ("train", "restval")}
+        counts |= {"val": COCO["val"], "test": COCO["test"]}
+    out = out_folder(options.out)
+    print(f"# fit.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}: {counts}", flush=True)
+    rows = Table("fit", "`captioner fit --config configs/coco_resnet101.yaml`", out)
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(options.folder or temporary).resolve()
         root.mkdir(parents=True, exist_ok=True)
-        restval = options.images // 5
-        counts = {"train": options.images - restval, "restval": restval, "val": options.val, "test": options.val}
         start = time.perf_counter()
         total = write_split(root, counts)
-        print(f"wrote {total} images' split and files in {time.perf_counter() - start:.1f} s", flush=True)
-        record = run_fit(root, options.epochs, options.smoke, options.sync_stretch)
-
-    cached = options.images + options.val
-    rows = [{"phase": "setup (split, vocabulary, feature cache)", "seconds": f"{record['setup']:.1f}"}]
-    rows[0]["figure"] = f"{cached / record['setup']:.0f} images cached/s"
-    for i, epoch in enumerate(record["epochs"]):
-        rate = epoch["captions"] / epoch["training"] if epoch["training"] else float("nan")
-        note = " (compiling)" if i == 0 else ""
-        per_step = {key: 1000 * epoch[key] / max(1, epoch["steps"]) for key in ("between_steps", "in_step")}
-        rows.append(
+        seconds = f"{time.perf_counter() - start:.1f}"
+        rows.add({"phase": f"data written: {total:,} images' split and files", "seconds": seconds})
+        record = run_fit(root, options.smoke, out or root)
+    rows.rows += record["rows"]  # the fit's own, printed (and written) as each phase ended
+    epochs, bare = record["epochs"], record.get("bare")
+    if len(epochs) > 1 and epochs[1]["training"] and bare:
+        ratio = epochs[1]["captions"] / epochs[1]["training"] / bare["captions_per_s"]
+        rows.add({"phase": "the fit's epoch 1 against the same steps alone", "figure": f"{ratio:.2f}x"})
+    plan = projection(record, counts)
+    if plan is not None:
+        parts = ", ".join(f"{k} {v / 60:.1f} min" for k, v in plan.items() if k != "total")
+        rows.add(
             {
-                "phase": f"epoch {i}: training{note}",
-                "seconds": f"{epoch['training']:.1f}",
-                "figure": f"{rate:.0f} captions/s",
-                "host ms per step: loader and loop, step": "{between_steps:.1f}, {in_step:.1f}".format(**per_step),
+                "phase": f"projected: the paper's schedule at COCO's size ({EPOCHS} epochs of {FULL_CAPTIONS:,} "
+                f"captions, each with a 5,000-image validation)",
+                "seconds": f"{plan['total']:.0f}",
+                "figure": f"{plan['total'] / 60:.1f} min ({parts} an epoch)",
             }
         )
-        if epoch["images"]:
-            per_thousand = 1000 * epoch["validation"] / epoch["images"]
-            rows.append(
-                {
-                    "phase": f"epoch {i}: validation",
-                    "seconds": f"{epoch['validation']:.1f}",
-                    "figure": f"{per_thousand:.1f} s per 1,000 images",
-                }
-            )
-    last = record["epochs"][-1]
-    fit_rate = last["captions"] / last["training"]
-    rows.append({"phase": "the compiled step alone, B=64 of 8-16 tokens", "figure": f"{steps['B=64']:.0f} captions/s"})
-    rows.append({"phase": "the compiled step alone, the fit's batches", "figure": f"{steps['fit']:.0f} captions/s"})
-    print(f"\n`captioner fit --config configs/coco_resnet101.yaml`, {options.images} training images\n")
-    print(table(rows))
-    print(
-        f"\nthe fit's last epoch trains at {fit_rate / steps['fit']:.2f}x the compiled step alone on batches of its"
-        f" shape ({fit_rate / steps['B=64']:.2f}x the step at B=64)",
-        flush=True,
-    )
-    if "stretch" in record:
-        stretch = record["stretch"]
-        print(f"\n{len(stretch['waits'])} host waits in {stretch['steps']} steps from step {stretch['first_step']}:")
-        for line in stretch["waits"]:
+    if record["waits"] is not None:
+        waits = record["waits"]
+        print(f"\n{len(waits['waits'])} host waits in {waits['steps']} steps from step {waits['first_step']}:")
+        for line in waits["waits"]:
             print(" ", line)
-        print(f"\nprofile of the fit (ProfileStretch):\n{record['profile']}", flush=True)
+    if record["profile"]:
+        print(f"\nprofile of epoch 0 (instrumented, after compiling):\n{record['profile']}", flush=True)
+    if out is not None:
+        for name in ("waits", "profile"):
+            if record[name] is not None:
+                text = record[name] if isinstance(record[name], str) else json.dumps(record[name], indent=1)
+                (out / f"fit_{name}.{'txt' if name == 'profile' else 'json'}").write_text(text)
+    size = "smoke run" if options.smoke else f"at {options.fraction:g} of COCO's training images"
+    rows.finish(f", {size}, 2 epochs (the fit's exit status: {record['status']})")
+    if record["status"]:
+        sys.exit(record["status"])
 
 
 if __name__ == "__main__":

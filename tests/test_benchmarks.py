@@ -1,9 +1,11 @@
-"""The GPU scripts, smoke-tested on the CPU (in .ci/run: about three minutes), so that a GPU's scarce minutes are spent
+"""The GPU scripts, smoke-tested on the CPU (in .ci/run: about two minutes), so that a GPU's scarce minutes are spent
 measuring: benchmarks/gpu_check.py runs every part at tiny sizes (each benchmark's --smoke, tests/test_cuda.py, the
-sync stretch of the fit under HostSyncs), and benchmarks/gpu.py --smoke its whole script."""
+fit's host-wait stretch under HostSyncs), with a form of each table made to fail; and train_step.py --smoke."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -14,25 +16,52 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.ci
 
 
-def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float, fail: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BENCHMARKS_FAIL": "|".join(fail)}
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_the_gpu_check_runs_every_part_on_a_cpu(tmp_path):
-    result = run("benchmarks/gpu_check.py", "--smoke", f"--out={tmp_path}", timeout=600)
+def rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_gpu_check_runs_every_part_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_path):
+    fail = (
+        "compiled, encoder too",  # one_image.py
+        "compile_decoder, a graph per 8 words (its default)",  # decode.py's tutorial table
+        "the same steps alone: the fit's batches, on the device",  # fit.py, in the fit's own process
+    )
+    result = run("benchmarks/gpu_check.py", "--smoke", f"--out={tmp_path}", timeout=600, fail=fail)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    parts = ["preflight", "fit", "one_image", "decode", "test_cuda"]
+    parts = ["preflight", "one_image", "decode", "fit", "test_cuda"]
     assert [line.split(":")[0] for line in summary] == parts and all(": ok," in line for line in summary), summary
-    # The fixed-shape step in a real fit of configs/coco_resnet101.yaml: nothing waits between logging steps
-    fit = (tmp_path / "fit.txt").read_text()
-    assert "0 host waits in 3 steps" in fit
-    assert "| epoch 1: training |" in fit and "captions/s" in fit and "s per 1,000 images" in fit
-    assert "| paper | compiled |" in (tmp_path / "one_image.txt").read_text()
+    made_to_fail = "RuntimeError: made to fail"
+    # one_image: the failing form is a row with its error; the others, both models, are measured
+    images = {(row["model"], row["form"]): row for row in rows(tmp_path / "one_image.jsonl")}
+    assert len(images) == 6 and images["shapes", "compiled, encoder too"]["error"].startswith(made_to_fail)
+    assert all("p50, ms" in row for key, row in images.items() if key[1] != "compiled, encoder too")
+    # decode: every form a row, as measured (before the table is printed whole), the failing one with its error;
+    # the whole search compiled as one graph writes the eager search's captions
+    searches = {row["beam 3"]: row for row in rows(tmp_path / "tutorial.jsonl")}
+    assert len(searches) == 5 and searches[fail[1]]["error"].startswith(made_to_fail)
+    assert searches["compile_decoder, the whole search one graph (check_every=16)"]["captions as eager"] == "same"
+    output = (tmp_path / "decode.txt").read_text()
+    assert output.index('row: {"beam 3": "tutorial') < output.index("| beam 3 | batch 1 |")
+    # fit: the rows of its phases, written by the fit's process as each ended; the bare steps' row is an error and
+    # the timed epoch, its validation and the projection are there; no host waits in the watched steps
+    fit = {row["phase"]: row for row in rows(tmp_path / "fit_phases.jsonl") + rows(tmp_path / "fit.jsonl")}
+    assert fit[fail[2]]["error"].startswith(made_to_fail)
+    assert "captions/s" in fit["epoch 1: training"]["figure"] and "epoch 1: validation (8 images)" in fit
+    assert any(phase.startswith("projected: the paper's schedule") for phase in fit)
+    assert "0 host waits in 3 steps" in (tmp_path / "fit.txt").read_text()
+    assert "wall" in (tmp_path / "fit_profile.txt").read_text()
 
 
-def test_gpu_py_runs_whole_on_a_cpu():
-    result = run("benchmarks/gpu.py", "--smoke", timeout=300)
+def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_path):
+    result = run("benchmarks/train_step.py", "--smoke", f"--out={tmp_path}", timeout=300, fail=("tutorial",))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for title in ("training, captions/s", "beam 3, images/s", "`captioner fit --config configs/debug.yaml`"):
-        assert title in result.stdout, result.stdout[-3000:]
+    forms = {row["form"]: row for row in rows(tmp_path / "train_step.jsonl")}
+    assert list(forms) == ["tutorial", "eager", "fixed shapes", "compiled"]
+    assert forms["tutorial"]["error"].startswith("RuntimeError: made to fail")
+    assert all("captions/s" in forms[form] for form in ("eager", "fixed shapes", "compiled"))
