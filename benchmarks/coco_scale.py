@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import COCO, machine, table, write_split
+from common import COCO, Table, machine, out_folder, write_split
 
 SETUP = """
 import json, resource, sys, time
@@ -219,6 +219,7 @@ def main() -> None:
     parser.add_argument("--loader-only", action="store_true", help="leave out the setup table")
     parser.add_argument("--no-image-cache", action="store_true", help="leave out the paper model's image cache")
     parser.add_argument("--folder", help="where to write the data (default: a temporary folder)")
+    parser.add_argument("--out", help="a folder for the setup table's rows (coco_scale.jsonl as measured)")
     options = parser.parse_args()
     counts = {split: max(1, round(n * options.size)) for split, n in COCO.items()}
     print(f"# coco_scale.py on {machine()}: {counts}\n", flush=True)
@@ -232,14 +233,15 @@ def main() -> None:
         for made in [*root.glob("vocab-*.json"), *root.glob("splits/*.npz")]:
             made.unlink()  # the first setup builds them: the vocabulary, the encoded splits
         shutil.rmtree(root / "image_cache", ignore_errors=True)  # its build is timed
-        rows = []
+        title = f"setup at {options.size:g} of COCO's size (import time excluded)"
+        rows = Table("coco_scale", title, out_folder(options.out))
         for cached in root.glob("cider-*.npz"):
             cached.unlink()  # the first SCST setup counts the document frequencies
         runs = [("fit, first", "fit", SETUP), ("fit, again", "fit", SETUP), ("test", "test", SETUP)]
         runs += [("SCST's CIDEr-D, first", "", SCST), ("SCST's CIDEr-D, again", "", SCST)]
         for name, stage, script in [] if options.loader_only else runs:
             record = setup_run(root, stage, script)
-            rows.append(
+            rows.add(
                 {
                     "setup": name,
                     "seconds": f"{record['seconds']:.1f}",
@@ -247,12 +249,10 @@ def main() -> None:
                     "vocabulary": record["vocab"],
                 }
             )
-            print(rows[-1], flush=True)
         loader = loader_rate(root, options.cache_rows, options.rows)
         images = None if options.no_image_cache else image_cache_rates(root)
-    if rows:
-        print(f"\nsetup at {options.size:g} of COCO's size (import time excluded)\n")
-        print(table(rows))
+    if rows.rows:
+        rows.finish()
     shape, dtype = ROWS[options.rows]
     print(
         f"\ntraining loader ({loader['rows']} images' rows cached, {'x'.join(map(str, shape))} "

@@ -11,6 +11,7 @@ taking turns; the table gives the faster.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import tempfile
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import lightning as L
 import yaml
-from common import machine, table
+from common import Table, machine, out_folder
 
 from captioner.data.datamodules import ShapesDataModule
 from captioner.lit_module import CaptioningModule
@@ -45,21 +46,23 @@ def fit_epoch(data_dir: str, feature_cache: bool) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="a folder for the table's rows (epoch.jsonl as measured, epoch.md)")
+    options = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # the Trainer's own messages
-    print(f"# epoch.py on {machine()}\n")
+    print(f"# epoch.py on {machine()}")
+    rows = Table("epoch", "one epoch of configs/shapes.yaml's model, 256 images, seconds", out_folder(options.out))
     with tempfile.TemporaryDirectory() as data_dir:
         build = fit_epoch(data_dir, feature_cache=True)  # builds the cache, then trains
-        times = {"cached": [], "encoder every step": []}
-        for _ in range(2):
-            times["cached"].append(fit_epoch(data_dir, feature_cache=True))
-            times["encoder every step"].append(fit_epoch(data_dir, feature_cache=False))
-    cached, uncached = min(times["cached"]), min(times["encoder every step"])
-    rows = [
-        {"epoch": "annotations from the cache", "seconds": f"{cached:.1f}", "speed-up": f"{uncached / cached:.1f}x"},
-        {"epoch": "encoder at every step", "seconds": f"{uncached:.1f}", "speed-up": "1.0x"},
-        {"epoch": "first epoch: building the cache, then training", "seconds": f"{build:.1f}", "speed-up": ""},
-    ]
-    print(table(rows))
+        rows.add({"epoch": "first epoch: building the cache, then training", "seconds": f"{build:.1f}"})
+        times = {"annotations from the cache": [], "encoder at every step": []}
+        for _ in range(2):  # taking turns; the faster of each
+            for name in times:
+                times[name].append(fit_epoch(data_dir, feature_cache=name.startswith("annotations")))
+    uncached = min(times["encoder at every step"])
+    for name, seconds in times.items():
+        rows.add({"epoch": name, "seconds": f"{min(seconds):.1f}", "speed-up": f"{uncached / min(seconds):.1f}x"})
+    rows.finish()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ images/s one at a time, for the bundled model and a model at the paper's sizes (
 14x14x2048, a 512-d decoder, 10,000 words; untrained: the speed is the same), eager, with `compile_decoder=True`, and
 with `compile_encoder=True` as well.
 
-    python benchmarks/one_image.py            # on this machine's device (CUDA when present)
-    python benchmarks/one_image.py --smoke    # a few calls, compiled forms under tests/cuda_graphs.py's stand-in
+    python benchmarks/one_image.py                    # on this machine's device (CUDA when present)
+    python benchmarks/one_image.py --models shapes    # the bundled model only (on a CPU the paper's takes minutes)
+    python benchmarks/one_image.py --smoke            # a few calls; compiled forms under tests/cuda_graphs.py
 
 Each model's first calls (which compile, for the compiled rows) are not timed. A model's forms take turns, call by
 call; its rows are printed, and written to --out, when its turns end. A form that fails is a row with its error.
@@ -81,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few calls: checks the script only")
     parser.add_argument("--calls", type=int, default=50, help="timed calls per model")
+    parser.add_argument("--models", default="shapes,paper", help="comma-separated: shapes (the bundled), paper")
     parser.add_argument("--out", help="a folder for the table's rows (one_image.jsonl as measured, one_image.md)")
     parser.add_argument("--budget", type=float, help="seconds: a model not started by then is a row that says so")
     options = parser.parse_args()
@@ -96,7 +98,7 @@ def main() -> None:
         stand_in = cuda_graph_stand_in()
     with stand_in, tempfile.TemporaryDirectory() as folder:
         image = write_images(Path(folder), [], distinct=1)[0]  # 640x480
-        for name in ("shapes", "paper"):
+        for name in options.models.split(","):
             if rows.deadline is not None and time.monotonic() > rows.deadline:
                 measured = {form: "error: not run: the part's time budget was spent" for form in FORMS}
             else:

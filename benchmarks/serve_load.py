@@ -17,6 +17,7 @@ Bounded: each request may take 60 s, each phase 10 minutes; what did not finish 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import io
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-from common import machine, table
+from common import Table, machine, out_folder, table
 from PIL import Image
 
 from captioner.data.shapes import ShapesDataset
@@ -240,7 +241,10 @@ def row(requests: int, clients: int, latencies: list[float], failures: int, seco
 
 
 def main() -> None:
-    print(f"# serve_load.py on {machine()}\n")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="a folder for the table's rows (serve_load.jsonl as measured, serve_load.md)")
+    options = parser.parse_args()
+    print(f"# serve_load.py on {machine()}")
     split = ShapesDataset("test", 16, seed=2)
     images = []
     for i in range(len(split)):
@@ -252,14 +256,14 @@ def main() -> None:
     try:
         load(url, images, 16, 4)  # warm-up
         memory = {"after warm-up": memory_mib(process.pid, "VmRSS")}
-        rows = []
+        rows = Table("serve_load", "requests to `captioner serve`", out_folder(options.out))
         cpu = {}  # phase -> (seconds, CPU seconds of the server, CPU seconds of this process: the clients)
         for requests, clients in ((REQUESTS, CLIENTS), (50, 1)):
             start, used = time.perf_counter(), (cpu_seconds(process.pid), time.process_time())
             half = (lambda: memory.__setitem__("after 100", memory_mib(process.pid, "VmRSS"))) if clients > 1 else None
             latencies, failures = load(url, images, requests, clients, half)
             seconds = time.perf_counter() - start
-            rows.append(row(requests, clients, latencies, failures, seconds, "quiet"))
+            rows.add(row(requests, clients, latencies, failures, seconds, "quiet"))
             if clients > 1:
                 memory["after 200"] = memory_mib(process.pid, "VmRSS")
                 cpu["quiet"] = (seconds, cpu_seconds(process.pid) - used[0], time.process_time() - used[1])
@@ -270,7 +274,7 @@ def main() -> None:
         threads = hostile.start()
         latencies, failures = load(url, images, REQUESTS, CLIENTS)
         seconds = time.perf_counter() - start
-        rows.append(row(REQUESTS, CLIENTS, latencies, failures, seconds, "beside hostile clients"))
+        rows.add(row(REQUESTS, CLIENTS, latencies, failures, seconds, "beside hostile clients"))
         cpu["beside hostile clients"] = (seconds, cpu_seconds(process.pid) - used[0], time.process_time() - used[1])
         time.sleep(max(0.0, HOSTILE_SECONDS - (time.perf_counter() - start)))
         hostile.stop.set()
@@ -287,9 +291,9 @@ def main() -> None:
         if exit_code is not None:
             print(f"the server stopped early, exit code {exit_code}:\n{lines[-3000:]}")
     tracebacks = lines.count("Traceback")
-    print(table(rows))
-    if rows[2]["p95 (ms)"] != "-":
-        ratio = float(rows[2]["p95 (ms)"]) / float(rows[0]["p95 (ms)"])
+    rows.finish()
+    if rows.rows[2]["p95 (ms)"] != "-":
+        ratio = float(rows.rows[2]["p95 (ms)"]) / float(rows.rows[0]["p95 (ms)"])
         print(f"\np95 beside the hostile clients / quiet p95: {ratio:.2f}x")
     print()
     print(table(hostile.summary()))
