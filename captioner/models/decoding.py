@@ -86,8 +86,9 @@ def greedy_search(
     - the batch shrinks as captions end: the decoder only runs the captions still being written, and the host reads
       at every word which have ended (the CPU's way: 1.45x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every caption runs every step, an ended one writing <pad> at no cost, and whether all have ended is
-      read once every `check_every` words (`check_interval`: 8 on a GPU): the device never waits for the host in
-      between.
+      read once every `check_every` words (`check_interval`: 8 on a GPU and with a compiled decoder): the device
+      never waits for the host in between. The words between two reads are one call (`_greedy_words`), one graph for
+      a compiled decoder: with `check_every` >= `max_len`, the whole search.
     """
     if max_len < 1:
         raise ConfigError(f"max_len must be >= 1, got {max_len}")
@@ -202,10 +203,11 @@ def beam_search(
       decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
       1.54x faster there at batch 64, docs/benchmarks.md);
     - sync-free: every image and hypothesis runs every step, and what has finished is read once every `check_every`
-      words (`check_interval`: 8 on a GPU): the device never waits for the host in between. There, when the images
-      still searching fit in half the batch or less, the batch shrinks to the least power of two that holds them
-      (ended images fill the rest): a compiled step meets a few fixed shapes (64, 32, ... 1 images) rather than one
-      per number of images still searching.
+      words (`check_interval`: 8 on a GPU and with a compiled decoder): the device never waits for the host in
+      between, and the words between two reads are one call (`_beam_words`), one graph for a compiled decoder. When
+      the images still searching fit in half the batch or less, the batch shrinks to the least power of two that
+      holds them (ended images fill the rest): a compiled decoder meets a few fixed shapes (64, 32, ... 1 images)
+      rather than one per number of images still searching.
     """
     B, P, _ = annotations.shape
     K = beam_size
