@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from captioner import lit_module
-from captioner.data.datamodules import collate
+from captioner.data.dataset import collate
 from captioner.errors import CaptionerError
 from captioner.lit_module import CaptioningModule
 from captioner.metrics import Decoded

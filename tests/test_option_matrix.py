@@ -229,6 +229,10 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
         assert errors == [refusal(row)]
         return
     ok(fit)
+    # the path that fed the training batches, said by the run: a silent fallback would fail here
+    reads = {"features": "the feature cache" if row["fine_tune"] == 0 else "the image files"}
+    reads["image_cache"] = "the image cache"
+    assert f"train split: the model reads {reads[str(row['inputs'])]} (" in fit.err, fit.err[-3000:]
     values = logged(tmp_path)
     assert {"train/loss_epoch", "val/loss", "val/bleu4"} <= values.keys(), values
     assert all(math.isfinite(value) for value in values.values()), values

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import logging
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from captioner.data.images import load_image
@@ -191,129 +188,3 @@ class CaptionSet:
 
     def image(self, index: int) -> Path:
         return self.records[index].image
-
-
-class EncodedSplit:
-    """One split of a real dataset in arrays, as `CaptionSet` gives it (same identity, summary, images, captions and
-    tokens), kept in one file so that later runs read it in a fraction of a second instead of reading, cleaning and
-    tokenizing the dataset's file again (COCO's: about 15 s). Each caption's tokens are ids into the split's own word
-    list; `encode` maps them to a vocabulary's ids at once. The file is written by `save` and read by `load`, which
-    raises ValueError for a file that is not one (a torn or foreign file)."""
-
-    FORMAT = 1
-
-    def __init__(self, meta: dict, arrays: dict[str, np.ndarray]):
-        self.name, self.identity, self.summary = meta["name"], meta["identity"], meta["summary"]
-        self._image_ids: list = meta["image_ids"]
-        self._paths: list[str] = meta["images"]
-        self._words: list[str] = meta["words"]
-        self._raw: list[list[str]] | None = None  # the captions' texts, read when first asked for
-        self._raw_blob = arrays.get("raw")
-        self.tokens_flat, self.caption_lengths, self.counts = arrays["tokens"], arrays["lengths"], arrays["counts"]
-        self.first = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)  # image -> its first caption
-        self.starts = np.concatenate([[0], np.cumsum(self.caption_lengths)[:-1]]).astype(np.int64)  # caption -> token
-        if not (len(self._paths) == len(self._image_ids) == len(self.counts) and len(self.counts) > 0):
-            raise ValueError("its image lists disagree")
-        if int(self.counts.sum()) != len(self.caption_lengths) or int(self.caption_lengths.sum()) != len(
-            self.tokens_flat
-        ):
-            raise ValueError("its caption arrays disagree")
-        if len(self.tokens_flat) and int(self.tokens_flat.max()) >= len(self._words):
-            raise ValueError("a token beyond its word list")
-
-    @classmethod
-    def from_caption_set(cls, split: CaptionSet, name: str) -> EncodedSplit:
-        index: dict[str, int] = {}
-        tokens, lengths, counts, raw = [], [], [], []
-        for i in range(len(split)):
-            captions = split.tokens(i)
-            counts.append(len(captions))
-            raw.append(split.captions(i))
-            for words in captions:
-                lengths.append(len(words))
-                tokens.extend(index.setdefault(word, len(index)) for word in words)
-        meta = {
-            "name": name,
-            "identity": split.identity,
-            "summary": split.summary,
-            "image_ids": [split.image_id(i) for i in range(len(split))],
-            "images": [str(record.image) for record in split.records],
-            "words": list(index),
-        }
-        arrays = {
-            "tokens": np.array(tokens, dtype=np.int32),
-            "lengths": np.array(lengths, dtype=np.int32),
-            "counts": np.array(counts, dtype=np.int32),
-            "raw": np.frombuffer(json.dumps(raw).encode(), dtype=np.uint8),
-        }
-        return cls(meta, arrays)
-
-    def save(self, path: str | Path) -> None:
-        """Write the split to `path` (numpy's .npz, no pickles), whole or not at all."""
-        from captioner.files import replace_atomically
-
-        meta = {
-            "format": self.FORMAT,
-            "name": self.name,
-            "identity": self.identity,
-            "summary": self.summary,
-            "image_ids": self._image_ids,
-            "images": self._paths,
-            "words": self._words,
-        }
-        arrays = {"tokens": self.tokens_flat, "lengths": self.caption_lengths, "counts": self.counts}
-        arrays["raw"] = self._raw_blob if self._raw_blob is not None else np.frombuffer(b"null", dtype=np.uint8)
-        buffer = io.BytesIO()
-        np.savez(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-        replace_atomically(path, lambda file: file.write(buffer.getvalue()))
-
-    @classmethod
-    def load(cls, path: str | Path) -> EncodedSplit:
-        try:
-            with np.load(path) as stored:
-                meta = json.loads(stored["meta"].tobytes())
-                if meta.get("format") != cls.FORMAT:
-                    raise ValueError(f"format {meta.get('format')}, not {cls.FORMAT}")
-                arrays = {name: stored[name] for name in ("tokens", "lengths", "counts", "raw")}
-        except (OSError, KeyError, EOFError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(str(err) or type(err).__name__) from err
-        return cls(meta, arrays)
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def image(self, index: int) -> Path:
-        return Path(self._paths[index])
-
-    def load_image(self, index: int) -> Image.Image:
-        return load_image(self.image(index))
-
-    def captions(self, index: int) -> list[str]:
-        if self._raw is None:
-            self._raw = json.loads(self._raw_blob.tobytes())
-        return self._raw[index]
-
-    def tokens(self, index: int) -> list[list[str]]:
-        """The tokens of each of image `index`'s captions, as `tokenize` gave them."""
-        words, first = self._words, int(self.first[index])
-        out = []
-        for caption in range(first, first + int(self.counts[index])):
-            start, length = int(self.starts[caption]), int(self.caption_lengths[caption])
-            out.append([words[t] for t in self.tokens_flat[start : start + length].tolist()])
-        return out
-
-    def image_id(self, index: int) -> int | str:
-        return self._image_ids[index]
-
-    def encode(self, vocabulary) -> tuple[np.ndarray, np.ndarray]:
-        """Every caption as `vocabulary.encode` gives it, at once: the ids of all captions end to end (each
-        <start> w1 ... wn <end>), and each caption's length in ids (n + 2)."""
-        table = np.array([vocabulary.stoi.get(word, vocabulary.unk_index) for word in self._words], dtype=np.int64)
-        lengths = self.caption_lengths.astype(np.int64) + 2
-        ends = np.cumsum(lengths)
-        ids = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
-        ids[ends - lengths] = vocabulary.start_index
-        ids[ends - 1] = vocabulary.end_index
-        caption_of_token = np.repeat(np.arange(len(lengths)), self.caption_lengths)  # each word's caption
-        ids[np.arange(len(self.tokens_flat)) + 2 * caption_of_token + 1] = table[self.tokens_flat]
-        return ids, lengths

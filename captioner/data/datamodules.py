@@ -1,288 +1,31 @@
-"""LightningDataModules: shared batching and feature caching, plus the built-in shapes set."""
+"""LightningDataModules: the vocabulary, the inputs (the caches, built once, shared under DDP) and the loaders of
+every dataset, and the two kinds there are: the built-in shapes set and real captions (COCO, Flickr, your own)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import random
-import warnings
-import zlib
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
 
-from captioner.data.coco import CaptionSet, EncodedSplit, clean, read_coco, read_custom, read_karpathy_splits
-from captioner.data.features import FeatureCache, ImageSource
+from captioner.data.dataset import CaptionDataset, CaptionSource, CaptionTable, collate
+from captioner.data.disk_cache import shared
+from captioner.data.features import FeatureCache
 from captioner.data.image_cache import ImageCache
-from captioner.data.images import ImageError
+from captioner.data.inputs import Inputs
 from captioner.data.prefetch import PrefetchingLoader
 from captioner.data.shapes import ShapesDataset
+from captioner.data.splits import EncodedSplit, SplitFiles, SplitTokens
 from captioner.data.vocab import TOKENIZER_VERSION, Vocabulary, tokenize
 from captioner.errors import ConfigError
 from captioner.files import build_lock
 from captioner.models.encoder import Encoder
 
 log = logging.getLogger(__name__)
-
-
-class CaptionSource(ImageSource, Protocol):
-    """A dataset split: images plus reference captions."""
-
-    def captions(self, index: int) -> list[str]: ...
-
-
-class _Inputs:
-    """The model input of image i: its cached annotations (P,E) or its preprocessed image (3,H,W), read from its file
-    or from the image cache (`images`).
-
-    An image that cannot be read gives None (the batch goes on without it) and one warning naming the file.
-    """
-
-    def __init__(
-        self, source: CaptionSource, features: FeatureCache | None, transform, images: ImageCache | None = None
-    ):
-        self.source, self.transform, self.images = source, transform, images
-        self.cache: FeatureCache | np.ndarray | None = features
-        self.bad = features.bad_indices() if features is not None else set(images.bad) if images is not None else set()
-        self.key = "images" if features is None else "annotations"
-        self._tensor: torch.Tensor | None = None  # the cache as a tensor (`_table`), made at the first pinned read
-
-    def __call__(self, index: int) -> torch.Tensor | None:
-        if index in self.bad:
-            return None
-        if self.cache is None:
-            try:
-                image = self.source.load_image(index) if self.images is None else self.images.read(index)
-                return self.transform(image)
-            except ImageError as err:
-                log.warning("skipping %s", err)
-                self.bad.add(index)
-                return None
-        return torch.from_numpy(np.array(self._array()[index]))  # (P,E) float16
-
-    def rows(self, indices: list[int], pin: bool | None = None) -> torch.Tensor:
-        """The cached annotations (B,P,E) of images `indices` (none of them bad), in one indexed read of the cache.
-
-        `pin` (by default where CUDA is, as the loaders pin their batches): the rows are copied by torch's threads
-        straight into page-locked memory from torch's caching host allocator, which hands the blocks of earlier
-        batches back once their copies to the GPU are done. One copy, into memory that is already mapped; the
-        loader's pinning finds the batch pinned, and the copy to the GPU does not wait. (At the paper's sizes a batch
-        is 51 MiB: numpy's copy into a new array, faulting its pages in, then the loader's copy of it into pinned
-        memory.) Otherwise numpy copies the rows into a new array, which the tensor owns."""
-        if torch.cuda.is_available() if pin is None else pin:
-            table = self._table()
-            out = torch.empty((len(indices), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
-            return torch.index_select(table, 0, torch.as_tensor(indices, dtype=torch.long), out=out)
-        return torch.from_numpy(self._array()[np.asarray(indices)])
-
-    def _array(self) -> np.ndarray:
-        if isinstance(self.cache, FeatureCache):  # opened lazily, so that each DataLoader worker maps its own view
-            self.cache = self.cache.load()
-        return self.cache
-
-    def _table(self) -> torch.Tensor:
-        """The cache as a tensor over the same read-only memory map (torch warns that it could write to it: nothing
-        does)."""
-        if self._tensor is None:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-                self._tensor = torch.from_numpy(self._array())
-        return self._tensor
-
-
-class CaptionDataset(Dataset):
-    """Training: one item per (image, caption) pair ("all"), one per image with a random caption each time
-    ("random"), or one per image with `captions_per_image` of its captions ("grouped"). Evaluation: one item per
-    image, carrying all its references (each image is decoded once), and for shapes its objects and canvas (attention
-    correctness). Training items carry neither: no training step reads them (SCST reads the split's `references` by
-    image index).
-
-    A DataLoader gets its batches from `__getitems__`: from the feature cache, all the batch's rows in one read. A
-    "grouped" batch holds each of its images (or their annotations) once, and their captions image by image, k each:
-    `captions_per_image` in the batch says k, and the model repeats each image's annotations k times
-    (`ShowAttendTell.forward`), so that the encoder runs (or the cache is read) once per image, not once per caption,
-    as self-critical.pytorch's `seq_per_img` does. The paper's minibatches are of captions; this is the same data
-    per epoch (every image once, with k captions), in batches of `batch_size` images, so k times the captions."""
-
-    def __init__(
-        self,
-        source: CaptionSource,
-        captions: list[list[list[int]]] | tuple[np.ndarray, np.ndarray],
-        references: Sequence[list[list[str]]],
-        mode: str,
-        objects: list | None = None,
-        captions_per_image: int = 5,
-    ):
-        """`captions`: each image's captions as vocabulary ids; or, for a `source` that is an `EncodedSplit`, every
-        caption's ids end to end and each caption's length (`EncodedSplit.encode`), image by image, `source.counts[i]`
-        captions for image i. `references`: each image's captions' tokens (a list, or `_SplitTokens`, which makes an
-        image's when they are read). `captions_per_image`: k of the "grouped" mode."""
-        self.source, self.references, self.mode = source, references, mode
-        self.captions_per_image = captions_per_image
-        self.objects = objects  # ground-truth objects per image (shapes only), for attention correctness
-        self.inputs: _Inputs | None = None  # given by the datamodule when its loader is made (`_loader`)
-        # Every caption's tokens in one array, for the batches: caption j of image i starts at starts[first[i] + j]
-        if isinstance(captions, tuple):
-            self._tokens, self._lengths = captions
-            self._counts = source.counts.astype(np.int64)
-        else:
-            self._counts = np.array([len(caps) for caps in captions], dtype=np.int64)
-            self._lengths = np.array([len(c) for caps in captions for c in caps], dtype=np.int64)
-            self._tokens = np.array([token for caps in captions for c in caps for token in c], dtype=np.int64)
-        self._first = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).astype(np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)
-        counts = self._counts.tolist()
-        self.items = [(i, j) for i, n in enumerate(counts) for j in range(n)] if mode == "all" else None
-
-    def __len__(self) -> int:
-        return len(self.items) if self.items is not None else len(self._counts)
-
-    def _pair(self, index: int) -> tuple[int, int]:
-        """Item `index`'s (image, caption); in "random" mode the caption is drawn here, one draw per item."""
-        if self.items is not None:
-            return self.items[index]
-        return index, random.randrange(int(self._counts[index])) if self.mode == "random" else 0
-
-    def _draw(self, image: int) -> list[int]:
-        """The "grouped" mode's k captions of `image`: all of them, in order, when it has k; k of them drawn without
-        replacement when it has more; all, then the rest drawn with replacement, when it has fewer."""
-        count, k = int(self._counts[image]), self.captions_per_image
-        if count > k:
-            return random.sample(range(count), k)
-        return list(range(count)) + random.choices(range(count), k=k - count)
-
-    def _about(self, image: int) -> dict:
-        """What evaluation reads of an image besides its input and caption; nothing for training."""
-        if self.mode != "first":
-            return {}
-        objects = self.objects[image] if self.objects is not None else None
-        return {
-            "references": self.references[image],
-            "objects": objects,
-            "canvas": getattr(self.source, "image_size", None),
-        }
-
-    def __getitem__(self, index: int) -> dict | None:
-        """Item `index`; in "grouped" mode, the batch of that one image (`__getitems__`)."""
-        if self.mode == "grouped":
-            return self.__getitems__([index])
-        image, caption = self._pair(index)
-        inputs = self.inputs(image)
-        if inputs is None:
-            return None
-        start = int(self._starts[self._first[image] + caption])
-        ids = self._tokens[start : start + int(self._lengths[self._first[image] + caption])]
-        item = {"index": image, "input": inputs, "caption": torch.from_numpy(ids.copy())}
-        return item | self._about(image) | {"key": self.inputs.key}
-
-    def __getitems__(self, indices: list[int]) -> dict:
-        """The batch of items `indices` (what a DataLoader asks for, batch by batch), collated. From the feature
-        cache, the batch's rows are read in one indexed read, straight into the batch, rather than copied out row by
-        row and stacked; images are loaded and collated one by one. Items whose image is bad are left out."""
-        if self.mode == "grouped":
-            return self._grouped(indices)
-        if self.inputs.key != "annotations":
-            return collate([self[index] for index in indices])
-        pairs = [pair for pair in map(self._pair, indices) if pair[0] not in self.inputs.bad]  # every draw made
-        if not pairs:
-            return {}
-        images = [image for image, _ in pairs]
-        batch = {"annotations": self.inputs.rows(images)} | self._padded_captions(pairs)
-        batch["index"] = torch.tensor(images)
-        if self.mode == "first":
-            about = [self._about(image) for image in images]
-            batch |= {key: [a[key] for a in about] for key in ("references", "objects", "canvas")}
-        return batch
-
-    def _grouped(self, images: list[int]) -> dict:
-        """A "grouped" batch: images `images` (those that can be read) once each, their k captions each, in order."""
-        draws = [(image, self._draw(image)) for image in images]  # every draw made, an unreadable image's too
-        if self.inputs.key == "annotations":
-            kept = [(image, captions) for image, captions in draws if image not in self.inputs.bad]
-            inputs = self.inputs.rows([image for image, _ in kept]) if kept else None
-        else:
-            read = [(image, captions, self.inputs(image)) for image, captions in draws]
-            kept = [(image, captions) for image, captions, x in read if x is not None]
-            inputs = stack([x for _, _, x in read if x is not None]) if kept else None
-        if not kept:
-            return {}
-        pairs = [(image, caption) for image, captions in kept for caption in captions]
-        batch = {self.inputs.key: inputs} | self._padded_captions(pairs)
-        return batch | {
-            "index": torch.tensor([image for image, _ in kept]),
-            "captions_per_image": self.captions_per_image,
-        }
-
-    def _padded_captions(self, pairs: list[tuple[int, int]]) -> dict:
-        """`_padded` of the captions (image, caption) `pairs`, gathered from the token array at once."""
-        ids = self._first[[image for image, _ in pairs]] + np.array([caption for _, caption in pairs], dtype=np.int64)
-        starts, lengths = self._starts[ids], self._lengths[ids]
-        columns = np.arange(lengths.max())
-        real = columns < lengths[:, None]  # (B,T)
-        captions = np.full(real.shape, Vocabulary.pad_index, dtype=np.int64)
-        captions[real] = self._tokens[(starts[:, None] + columns)[real]]
-        return {"captions": torch.from_numpy(captions), "lengths": torch.from_numpy(lengths)}
-
-
-def stack(inputs: list[torch.Tensor]) -> torch.Tensor:
-    """`torch.stack` of a batch's inputs. Images made from PIL images (uint8, `ToImage`) are views (3,H,W) of pixels
-    stored channel last: they are stacked as they are stored, one copy of each, into a (B,3,H,W) batch in
-    channels-last memory, which is the layout the encoder runs in (`torch.stack` would transpose each: 1.6x the time
-    for 64 448x448 images on the machine of docs/benchmarks.md)."""
-    if inputs[0].dim() == 3 and all(x.permute(1, 2, 0).is_contiguous() for x in inputs):
-        return torch.stack([x.permute(1, 2, 0) for x in inputs]).permute(0, 3, 1, 2)
-    return torch.stack(inputs)
-
-
-def _padded(captions: list[torch.Tensor]) -> dict:
-    return {
-        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_index),  # (B,T)
-        "lengths": torch.tensor([len(c) for c in captions]),  # (B,)
-    }
-
-
-def collate(items: list[dict | None] | dict) -> dict:
-    """Stack inputs, pad captions with <pad> (0); items whose image could not be read (None) are left out. A batch
-    that `CaptionDataset.__getitems__` collated already is passed on as it is.
-
-    A batch with no readable image is an empty dict, which every step skips. Not None: Lightning would skip a None
-    training batch before `training_step`, and under DDP a process that skips a step leaves the others waiting for it
-    in the gradient all-reduce, for ever.
-    """
-    if isinstance(items, dict):
-        return items
-    items = [item for item in items if item is not None]
-    if not items:
-        return {}
-    batch = {items[0]["key"]: stack([item["input"] for item in items])}
-    batch |= _padded([item["caption"] for item in items])
-    for key in ("references", "objects", "canvas"):  # evaluation's items only
-        if key in items[0]:
-            batch[key] = [item[key] for item in items]
-    batch["index"] = torch.tensor([item["index"] for item in items])
-    return batch
-
-
-class _SplitTokens(Sequence):
-    """Each image's captions' tokens (`EncodedSplit.tokens`), made when an image's are read."""
-
-    def __init__(self, split: EncodedSplit):
-        self.split = split
-
-    def __len__(self) -> int:
-        return len(self.split)
-
-    def __getitem__(self, index: int) -> list[list[str]]:
-        if not 0 <= index < len(self.split):
-            raise IndexError(index)
-        return self.split.tokens(index)
 
 
 def _tokens(source: CaptionSource, index: int) -> list[list[str]]:
@@ -400,66 +143,47 @@ class CaptionDataModule(L.LightningDataModule):
         if getattr(source, "summary", None):  # what was skipped, said once, by the split that is used
             log.warning(source.summary)
         if isinstance(source, EncodedSplit):  # encoded at once; each image's tokens made when read (SCST, evaluation)
-            references, captions = _SplitTokens(source), source.encode(self.vocab)
+            references = SplitTokens(source)
+            captions = CaptionTable(*source.encode(self.vocab), source.counts)
         else:
             references = [_tokens(source, i) for i in range(len(source))]  # each caption tokenized once
-            captions = [[self.vocab.encode(tokens) for tokens in caps] for caps in references]
+            captions = CaptionTable.from_lists([[self.vocab.encode(tokens) for tokens in caps] for caps in references])
         objects = [source.objects(i) for i in range(len(source))] if hasattr(source, "objects") else None
         return CaptionDataset(source, captions, references, mode, objects, self.captions_per_image)
 
-    def _inputs(self, split: str) -> _Inputs:
+    def _inputs(self, split: str) -> Inputs:
         """What the model reads of the split's images: the frozen encoder's cached annotations (the cache built first
-        if missing), or else the preprocessed images, from the image cache (`image_cache`) or their files."""
+        if missing), or else the preprocessed images, from the image cache (`image_cache`) or their files. Said in one
+        line (from the first process), so that a run's log says which path fed it."""
         source, encoder = self.split(split), self._model_encoder()
         augment = self.augment and split == "train"
         features = images = None
         if self.feature_cache and encoder.frozen and not augment:
-            features = self._shared(FeatureCache(self.data_dir / "features", encoder, source), "feature cache")
-        if features is None and self.image_cache:
-            images = self._shared(
-                ImageCache(self.data_dir / "image_cache", encoder.preprocessing, source), "image cache"
+            cache = FeatureCache(self.data_dir / "features", encoder, source)
+            instead = "the encoder will run at every step instead" + (
+                " (on the image cache)" if self.image_cache else ""
             )
+            options = {"batch_size": self.batch_size, "num_workers": self.num_workers, "device": self._device()}
+            features = cache if shared(cache, self.trainer, instead, **options) else None
+        if features is None and self.image_cache:
+            cache = ImageCache(self.data_dir / "image_cache", encoder.preprocessing, source)
+            instead = "images are read from their files instead"
+            images = cache if shared(cache, self.trainer, instead, num_workers=self.num_workers) else None
         # Images leave the loader as uint8, and the encoder normalises them on its device (4x fewer bytes to copy);
         # augmentation's colour jitter works on floats, so augmented images leave normalised.
         transform = encoder.preprocessing.transforms(augment, normalize=augment)
-        return _Inputs(source, features, transform, images)
+        inputs = Inputs(source, transform, features, images, pin=self._pinned())
+        rank_zero_info(f"{split} split: the model reads {inputs.where()}")
+        return inputs
 
-    def _shared(self, cache: FeatureCache | ImageCache, name: str) -> FeatureCache | ImageCache | None:
-        """A cache of the split (`name`: the feature or the image cache), built first if it is missing or damaged; None
-        if it cannot be written.
+    def _device(self) -> torch.device:
+        """Where the trainer runs (the CPU without one): where the feature cache's build runs the encoder."""
+        return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
 
-        Under DDP, local rank 0 builds it while the other ranks wait at a barrier, then they read it. Two processes
-        that need the same cache and do not share a Trainer (two runs on one data_dir, or two nodes on one shared
-        disk) take turns through the cache's lock file: one builds, the other then finds it built.
-        """
-        trainer = self.trainer
-        distributed = trainer is not None and trainer.world_size > 1
-        usable = True
-        if not distributed or trainer.local_rank == 0:
-            usable = self._ensure(cache, name)
-        if distributed:
-            trainer.strategy.barrier(name)
-            if trainer.local_rank != 0:
-                usable = self._ensure(cache, name)
-        return cache if usable else None
-
-    def _ensure(self, cache: FeatureCache | ImageCache, name: str) -> bool:
-        try:
-            if isinstance(cache, FeatureCache):
-                device = self.trainer.strategy.root_device if self.trainer is not None else "cpu"
-                cache.ensure(self.batch_size, self.num_workers, device)
-            else:
-                cache.ensure(self.num_workers)
-            return True
-        except OSError as err:  # a full disk, a folder that cannot be made: train on, without the cache
-            if isinstance(cache, FeatureCache):
-                then = "the encoder will run at every step instead" + (
-                    " (on the image cache)" if self.image_cache else ""
-                )
-            else:
-                then = "images are read from their files instead"
-            log.warning("%s: cannot write the %s (%s); %s", err.filename or cache.dir, name, err.strerror or err, then)
-            return False
+    def _pinned(self) -> bool:
+        """Batches in page-locked memory, whose copy to the device does not wait: where the trainer runs on CUDA, not
+        wherever CUDA is (a CPU run on a GPU machine would initialise CUDA to pin)."""
+        return self._device().type == "cuda"
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
@@ -486,7 +210,7 @@ class CaptionDataModule(L.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             collate_fn=collate,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=dataset.inputs.pin,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -590,7 +314,18 @@ class CocoDataModule(CaptionDataModule):
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.max_train_caption_len, self.download, self.urls = max_train_caption_len, download, urls or {}
         self.checksums = checksums or {}
-        self._karpathy: dict[str, list] | None = None  # every split's records, once the Karpathy file is read
+        self.split_files = SplitFiles(
+            self.data_dir,
+            format,
+            year,
+            split_file,
+            image_root,
+            captions_file,
+            image_dir,
+            val_fraction,
+            test_fraction,
+            max_train_caption_len,
+        )
 
     def prepare_data(self) -> None:
         """Download what is missing (only with download: true); writes to disk, builds nothing in memory."""
@@ -601,92 +336,9 @@ class CocoDataModule(CaptionDataModule):
         prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls, self.checksums)
 
     def make_split(self, split: str) -> EncodedSplit:
-        """The split as `read_split` reads it, kept in a file under data_dir/splits/ named by the dataset's file
-        (its path, size and modification time) and the options that shape the split: later runs, and the other
-        processes of a DDP run, read that file instead (one process builds it, the others wait for it). A damaged file
-        is said in one warning and made again; a folder that cannot be written costs one warning, and the reading
-        in every run. A later run does not look for the image files again: one deleted since is reported when the
-        feature cache or a batch reads it."""
+        """The split, read once from the dataset's files and kept under data_dir/splits/ (`SplitFiles.split`)."""
         # The vocabulary (and so the model) is built when the CLI starts, before Lightning calls prepare_data:
         # download here first. It is idempotent, so Lightning's own call later costs nothing.
         if self.download:
             self.prepare_data()
-        name, path = self._split_file(split)
-        if path is None:  # the dataset's file is missing: read_split names it
-            return EncodedSplit.from_caption_set(self.read_split(split), name)
-        try:
-            with build_lock(path):
-                if path.exists():
-                    try:
-                        return EncodedSplit.load(path)
-                    except ValueError as err:
-                        log.warning("%s: unreadable (%s); reading the split again", path, err)
-                encoded = EncodedSplit.from_caption_set(self.read_split(split), name)
-                encoded.save(path)
-            if self.format == "karpathy":  # its file holds every split, read now: keep the others too
-                for other in ("train", "val", "test"):
-                    other_name, other_path = self._split_file(other)
-                    if other not in self._splits and other_path is not None and not other_path.exists():
-                        with build_lock(other_path):
-                            try:
-                                if not other_path.exists():
-                                    EncodedSplit.from_caption_set(self.read_split(other), other_name).save(other_path)
-                            except ConfigError:  # a split with no usable image: said if and when it is used
-                                pass
-            return encoded
-        except OSError as err:  # the folder, the lock or the file cannot be written
-            log.warning("%s: cannot be written (%s); the split is read again in every run", path, err.strerror or err)
-            return EncodedSplit.from_caption_set(self.read_split(split), name)
-
-    def _split_file(self, split: str) -> tuple[str, Path | None]:
-        """The split's name, and the file that keeps it, named by the dataset's file (its path, size and modification
-        time) and the options that shape the split; None if the dataset's file is missing."""
-        name = f"{self.data_dir.name}-{self.format}-{split}"
-        source = self._source_file(split)
-        try:
-            stat = source.stat()
-        except OSError:
-            return name, None
-        options = [str(source.resolve()), stat.st_size, stat.st_mtime_ns, self.format, split, TOKENIZER_VERSION]
-        # The image folder as spelled too: the split keeps its images' paths as the data_dir gives them (relative to
-        # the working directory for a relative one), and its identity (the caches' and the vocabulary's key) with them
-        images = self._images()
-        options += [str(images), str(images.resolve()), self.max_train_caption_len if split == "train" else None]
-        options += [self.year, self.val_fraction, self.test_fraction] if self.format != "karpathy" else []
-        key = hashlib.sha256(json.dumps(options).encode()).hexdigest()[:16]
-        return name, self.data_dir / "splits" / f"{name}-{key}.npz"
-
-    def _source_file(self, split: str) -> Path:
-        """The file that `split` is read from: its annotations, the Karpathy file or the captions file."""
-        if self.format == "coco":
-            return self.data_dir / "annotations" / f"captions_{'train' if split == 'train' else 'val'}{self.year}.json"
-        return self.data_dir / (self.split_file if self.format == "karpathy" else self.captions_file)
-
-    def _images(self) -> Path:
-        if self.format == "coco":
-            return self.data_dir
-        return self.data_dir / (self.image_root if self.format == "karpathy" else self.image_dir)
-
-    def read_split(self, split: str) -> CaptionSet:
-        """The split read from the dataset's files and cleaned (`clean`): what `make_split` keeps."""
-        root = self.data_dir
-        if self.format == "coco":
-            part = "train" if split == "train" else "val"
-            records = read_coco(root / "annotations" / f"captions_{part}{self.year}.json", root / f"{part}{self.year}")
-        elif self.format == "karpathy":  # the file is read once, for every split
-            if self._karpathy is None:
-                self._karpathy = read_karpathy_splits(root / self.split_file, root / self.image_root)
-            records = self._karpathy[split]
-        else:
-            records = [
-                r
-                for r in read_custom(root / self.captions_file, root / self.image_dir)
-                if self._custom_split(str(r.image_id)) == split
-            ]
-        name = f"{root.name}-{self.format}-{split}"
-        max_words = self.max_train_caption_len if split == "train" else None
-        return CaptionSet(name, *clean(records, max_words, name))
-
-    def _custom_split(self, image: str) -> str:
-        u = zlib.crc32(image.encode()) / 2**32  # stable across runs and machines
-        return "test" if u < self.test_fraction else "val" if u < self.test_fraction + self.val_fraction else "train"
+        return self.split_files.split(split)

@@ -7,38 +7,37 @@ loader reads, decodes and resizes each original photo at every epoch (about 3 ms
 quality 95, every image end to end in one file (`images.bin`) with their offsets (`offsets.npy`). A cached 448x448
 image is decoded in about 1.3 ms and needs no resize; the file is about 100 KB an image, 10.7 GiB for COCO's training
 split. Uncompressed 448x448x3 bytes would be 63.5 GiB: more than a 64 GiB disk holds beside COCO's own 19 GB of
-photos. Quality 95 changes a pixel by about 2.3 of 255 on average (docs/benchmarks.md, `coco_scale.py`); that, and
-only that, separates a run from the cache from one from the original files.
+photos.
 
-Training on it is otherwise the same: the preprocessing's resize finds the image at its size and leaves it as it is,
-and augmentation crops and jitters the cached image. Like the feature cache: keyed by the split and the input size,
-written under temporary names (its offsets last: their presence means the cache is complete), rebuilt with a warning
-when damaged, built by one process while the others wait, and before a build, the disk space it needs is estimated
-from a sample of its images, said, and checked.
+The cached pixels are the ones the uncached path gives the model, which `Captioner.caption` uses too: each image is
+resized by the preprocessing's own transform (`Preprocessing.transforms(normalize=False)`: torchvision's resize of the
+image as a tensor), then JPEG-encoded. JPEG at quality 95 is what separates them, a couple of levels of 255 a pixel
+(data/README.md has what it does to the annotations). With augmentation, the cached path crops the resized image and
+scales the crop back up, where the uncached path crops the original photo: the same crop, at the cache's resolution
+rather than the photo's (data/README.md measures the difference).
+
+Like the feature cache (`captioner.data.disk_cache`): keyed by the split, the input size and the format, built by one
+process while the others wait, published whole (its offsets last: their presence means the cache is complete), rebuilt
+with a warning when damaged, and before a build, the disk space it needs is estimated from a sample of its images,
+said, and checked.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import io
-import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms import v2
 from tqdm import tqdm
 
-from captioner.data.features import ImageSource, size
+from captioner.data.disk_cache import DiskCache, ImageSource
 from captioner.data.images import ImageError
-from captioner.files import build_lock, replace_atomically, write_text_atomically
 from captioner.models.encoder import Preprocessing
 
 log = logging.getLogger(__name__)
@@ -46,33 +45,39 @@ log = logging.getLogger(__name__)
 QUALITY = 95  # JPEG quality of the cached images
 SAMPLE = 16  # images encoded to estimate a build's size
 MARGIN = 1.1  # the estimate's allowance for images larger than the sample's
-FORMAT = 1  # the cache's layout; a new one builds a new cache
+# The cache's layout and pixels; a new one builds a new cache. 2: images resized as the uncached path resizes them
+# (format 1 resized them with PIL's filter, other pixels than the model sees when it captions a file).
+FORMAT = 2
 
 
 class _Encoded(Dataset):
-    """Image i of the split, resized to the input size and encoded as JPEG (bytes; b"" for an unreadable image)."""
+    """Image i of the split, resized as the uncached path resizes it (`resize`) and encoded as JPEG (bytes; b"" for
+    an unreadable image)."""
 
     def __init__(self, source: ImageSource, preprocessing: Preprocessing, quiet: bool = False):
         self.source, self.quiet = source, quiet
-        mode = v2.InterpolationMode(preprocessing.interpolation)
-        self.resize = v2.Resize((preprocessing.size, preprocessing.size), interpolation=mode, antialias=True)
+        self.transform = preprocessing.transforms(normalize=False)
 
     def __len__(self) -> int:
         return len(self.source)
 
+    def resize(self, image: Image.Image) -> np.ndarray:
+        """The image's pixels (S,S,3) uint8, as the model gets them from its file."""
+        return self.transform(image).permute(1, 2, 0).numpy()
+
     def __getitem__(self, index: int) -> bytes:
         try:
-            image = self.resize(self.source.load_image(index))
+            pixels = self.resize(self.source.load_image(index))
         except ImageError as err:
             if not self.quiet:
                 log.warning("skipping %s", err)
             return b""
         buffer = io.BytesIO()
-        image.save(buffer, "JPEG", quality=QUALITY)
+        Image.fromarray(pixels).save(buffer, "JPEG", quality=QUALITY)
         return buffer.getvalue()
 
 
-class ImageCache:
+class ImageCache(DiskCache):
     """The images of one dataset split at one input size.
 
     Args:
@@ -81,39 +86,30 @@ class ImageCache:
         source: the dataset split.
     """
 
+    kind = "image cache"
+    estimated = True
+
     def __init__(self, root: str | Path, preprocessing: Preprocessing, source: ImageSource):
         self.preprocessing, self.source = preprocessing, source
         p = preprocessing
         key = hashlib.sha256(f"{FORMAT}|{p.size}|{p.interpolation}|{QUALITY}|{source.identity}".encode()).hexdigest()
-        self.dir = Path(root) / f"{source.identity}-{p.size}px-{key[:16]}"
-        self.data, self.offsets_path, self.meta = (
-            self.dir / "images.bin",
-            self.dir / "offsets.npy",
-            self.dir / "meta.json",
-        )
+        super().__init__(Path(root) / f"{source.identity}-{p.size}px-{key[:16]}", "offsets.npy")
+        self.data, self.offsets_path = self.dir / "images.bin", self.marker
         self._bytes: np.ndarray | None = None  # images.bin, memory-mapped when first read (in each loader worker)
         self._offsets: np.ndarray | None = None
-        self.bad: set[int] = set()
 
-    def problem(self) -> str | None:
-        """Why the cache on disk cannot be used, or None: missing, or damaged (offsets that do not describe the data
-        file: a truncated or replaced file; a meta.json that is not what it wrote)."""
-        if not self.offsets_path.exists():
-            return "missing"
+    def damage(self) -> str | None:
+        """Offsets that do not describe the data file: a truncated or replaced file."""
         try:
             offsets = np.load(self.offsets_path)
             length = self.data.stat().st_size
-            meta = json.loads(self.meta.read_text())
-        except (OSError, ValueError) as err:  # json's JSONDecodeError is a ValueError
+        except (OSError, ValueError) as err:
             return f"damaged ({err})"
         if offsets.shape != (len(self.source) + 1,) or offsets.dtype != np.int64:
             held = f"{offsets.shape} {offsets.dtype}"
             return f"damaged ({self.offsets_path.name} holds {held} for {len(self.source)} images)"
         if offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] != length:
             return f"damaged ({self.data.name} is {length} bytes; its offsets say {int(offsets[-1])})"
-        bad = meta.get("bad") if isinstance(meta, dict) else None
-        if not isinstance(bad, list) or not all(isinstance(index, int) for index in bad):
-            return f'damaged ({self.meta.name} is not an object whose "bad" is a list of image indices)'
         return None
 
     def estimate(self) -> int:
@@ -124,40 +120,16 @@ class ImageCache:
         sizes = [len(encoded[int(i)]) for i in picks]
         return int(MARGIN * np.mean(sizes) * len(encoded)) if sizes else 0
 
-    def ensure(self, num_workers: int = 0) -> None:
-        """Build the cache unless a usable one is there (a damaged one is named in a warning and built again), holding
-        its lock file: of two processes that need it, one builds and the other then reads it. Raises OSError when it
-        cannot be written: its folder, or too little disk for its estimated size (said before anything is written)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with build_lock(self.dir):
-            problem = self.problem()
-            if problem is None:
-                self.bad = set(json.loads(self.meta.read_text())["bad"])
-                return
-            if problem != "missing":
-                log.warning("%s: image cache %s; building it again", self.dir, problem)
-            self.build(num_workers)
+    def needed(self) -> int:
+        return self.estimate()
 
-    def build(self, num_workers: int = 0) -> None:
-        """Resize and encode every image (in `num_workers` loader workers) into a temporary data file, then write the
-        meta and the offsets (last). An unreadable image is said in one warning, and kept as an empty entry."""
-        needed, free = self.estimate(), shutil.disk_usage(self.dir).free
+    def describe(self) -> str:
         p = self.preprocessing
-        log.info(
-            "image cache of %s: %d images at %dx%d, JPEG quality %d, about %s; %s free on its disk (%s)",
-            self.source.identity,
-            len(self.source),
-            p.size,
-            p.size,
-            QUALITY,
-            size(needed),
-            size(free),
-            self.dir,
-        )
-        if needed > free:
-            raise OSError(
-                errno.ENOSPC, f"no space left: it needs about {size(needed)}, {size(free)} are free", str(self.dir)
-            )
+        return f"{self.source.identity}: {len(self.source)} images at {p.size}x{p.size}, JPEG quality {QUALITY}"
+
+    def write(self, num_workers: int = 0):
+        """Resize and encode every image (in `num_workers` loader workers) into the data file, and its offsets. An
+        unreadable image is said in one warning, and kept as an empty entry."""
         loader = DataLoader(
             _Encoded(self.source, self.preprocessing),
             batch_size=16,
@@ -165,27 +137,24 @@ class ImageCache:
             collate_fn=list,
             generator=torch.Generator(),  # not the global one: training's draws must not depend on a build
         )
-        partial = self.dir / f"images.{os.getpid()}.tmp"
+        data, offsets_file = self.temporary("images.bin"), self.temporary("offsets.npy")
         offsets, bad = [0], []
-        try:
-            with open(partial, "wb") as file:
-                progress = tqdm(loader, desc=f"caching {self.source.identity} images", unit="batch", disable=None)
-                for batch in progress:
-                    for data in batch:
-                        if not data:
-                            bad.append(len(offsets) - 1)
-                        file.write(data)
-                        offsets.append(offsets[-1] + len(data))
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, self.data)
-        finally:
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
-        meta = {"source": self.source.identity, "size": p.size, "quality": QUALITY, "bad": bad}
-        write_text_atomically(self.meta, json.dumps(meta, indent=1))
-        replace_atomically(self.offsets_path, lambda file: np.save(file, np.array(offsets, dtype=np.int64)))
-        self.bad = set(bad)
+        with open(data, "wb") as file:
+            progress = tqdm(loader, desc=f"caching {self.source.identity} images", unit="batch", disable=None)
+            for batch in progress:
+                for encoded in batch:
+                    if not encoded:
+                        bad.append(len(offsets) - 1)
+                    file.write(encoded)
+                    offsets.append(offsets[-1] + len(encoded))
+            file.flush()
+            os.fsync(file.fileno())
+        with open(offsets_file, "wb") as file:
+            np.save(file, np.array(offsets, dtype=np.int64))
+            file.flush()
+            os.fsync(file.fileno())
+        meta = {"source": self.source.identity, "size": self.preprocessing.size, "quality": QUALITY, "format": FORMAT}
+        return meta, bad, [(data, self.data), (offsets_file, self.offsets_path)]
 
     def read(self, index: int) -> Image.Image:
         """Image `index` (S,S, RGB), decoded from the cache; ImageError (naming the cache's file) when its bytes are

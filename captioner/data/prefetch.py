@@ -9,8 +9,10 @@ step's Python and the read overlap, and a batch is ready when the step asks for 
 The batches are the same, in the same order: the thread runs the same iterator (sampler, fetch, pinning) that the
 loader would run in the main process. The first batch is read in the calling thread, so that the sampler's draw of
 its shuffling seed from the global generator happens where and when it would without prefetching; after that the
-iterator draws from its own generator, and the random caption draws of `train_captions: random` (Python's `random`)
-are made in order, batch after batch, by the one thread.
+iterator draws from its own generator, and the random caption draws of `train_captions: random` and `grouped`
+(Python's `random`) are made in order, batch after batch, by the one thread. A new epoch first stops the last one's
+thread and waits for it to leave the batch it is reading: an epoch cut short (`limit_train_batches`) would otherwise
+still be reading ahead, and drawing, while the next one draws.
 
 At exit the process waits for its read-ahead threads to finish the batch they are reading (`_stop_all`). A daemon
 thread still inside a torch op when Python finalizes would be ended by `pthread_exit` as it takes the GIL back, and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader
@@ -124,8 +127,12 @@ class _Prefetcher:
         return item
 
     def close(self) -> None:
-        """Stop reading ahead (the thread ends within `_POLL_S`)."""
+        """Stop reading ahead, and wait for the thread to leave the batch it is reading: an epoch cut short
+        (`limit_train_batches`) ends here, so that nothing of it still reads, or draws captions, when the next epoch
+        begins (its draws would then depend on timing)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def __del__(self) -> None:
         self.close()
@@ -140,9 +147,15 @@ class PrefetchingLoader(DataLoader):
     def __init__(self, *args, prefetch: int = 2, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefetch = prefetch
+        self._reading: weakref.ref | None = None  # the last epoch's prefetcher
 
     def __iter__(self):
+        previous = self._reading() if self._reading is not None else None
+        if previous is not None:  # an epoch cut short: it stops reading before this one begins
+            previous.close()
         iterator = super().__iter__()
         if self.prefetch < 1 or self.num_workers > 0:
             return iterator
-        return _Prefetcher(iterator, self.prefetch)
+        prefetcher = _Prefetcher(iterator, self.prefetch)
+        self._reading = weakref.ref(prefetcher)
+        return prefetcher

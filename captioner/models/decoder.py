@@ -171,6 +171,7 @@ class AttentionDecoder(nn.Module):
         lengths: torch.Tensor | None = None,
         sample: bool = False,
         locations: torch.Tensor | None = None,
+        captions_per_image: int = 1,
     ) -> tuple[torch.Tensor, ...]:
         """Teacher forcing, in one of two forms that compute the same on every real word:
         - with `lengths`, the shrinking batch (the CPU's: fewest FLOPs, 1.18x faster there, docs/benchmarks.md). The
@@ -183,7 +184,9 @@ class AttentionDecoder(nn.Module):
           changes no earlier step; the real words are `captions[:, 1:] != pad`.
 
         Args:
-            annotations: (B,P,E).
+            annotations: (B,P,E); with `captions_per_image` k > 1 (fixed shapes only), (B/k,P,E): captions k*i to
+                k*i+k-1 are image i's, and each image's keys are projected once and attended by its k captions (the
+                shrinking batch sorts captions by length, which mixes images: give it each caption's row).
             captions: (B,T) token ids, `<start> w1 ... wn <end>` then padding.
             lengths: (B,) real length of each caption, <start> and <end> included; None: fixed shapes.
             sample: hard attention: each step attends to one sampled location (`attend`).
@@ -193,8 +196,10 @@ class AttentionDecoder(nn.Module):
             logits (B,T-1,V) predicting captions[:, 1:], alphas (B,T-1,P) and, with `sample`, the sampled locations
             (B,T-1) (0 at padded steps).
         """
-        B, P, _ = annotations.shape
-        T = captions.size(1) - 1
+        B, T = captions.size(0), captions.size(1) - 1
+        P = annotations.size(1)
+        if captions_per_image * annotations.size(0) != B or (lengths is not None and captions_per_image != 1):
+            raise ValueError(f"{B} captions for {annotations.size(0)} images at {captions_per_image} an image")
         if lengths is not None:
             steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included
             order = steps.argsort(descending=True)
@@ -202,8 +207,10 @@ class AttentionDecoder(nn.Module):
             locations = locations[order] if locations is not None else None
             T = int(steps[0])
             running = torch.bincount(steps, minlength=T + 1).flip(0).cumsum(0).flip(0)  # running[t] = #(steps > t-1)
-        keys = self.prepare(annotations)  # (B,P,K)
-        h, c = self.init_state(annotations)  # (B,D) each
+        keys = self.prepare(annotations)  # (B/k,P,K): once per image
+        h, c = self.init_state(annotations)  # (B/k,D) each
+        if captions_per_image > 1:  # each image's start, for each of its captions: (B,D)
+            h, c = (x.repeat_interleave(captions_per_image, dim=0, output_size=B) for x in (h, c))
         memory, rows = annotations, []  # each step's (E y_{t-1}, h_t, z_t, alpha_t[, s_t]), for the captions going
         for t in range(T):
             bt = int(running[t + 1]) if lengths is not None else B  # captions with more than t steps: the first bt

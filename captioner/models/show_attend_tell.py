@@ -227,14 +227,12 @@ class ShowAttendTell(nn.Module):
     ) -> Loss:
         """Teacher forcing on captions (B,T) of lengths (B,), <start> and <end> included -> the loss. With
         `captions_per_image` k, the images (or annotations) are B/k, and captions k*i to k*i+k-1 are image i's: each
-        image is encoded once, and its annotations repeated for its k captions.
+        image is encoded once, and (with `fixed_shape`) its keys projected once and attended by its k captions.
 
         Runs the decoder's shrinking batch, or with `fixed_shape` its fixed shapes (`AttentionDecoder.forward`) on
         captions padded to `bucket_steps`, compiled when `compile_step` was called. Both give the same loss.
         """
         annotations = self.annotate(images, annotations)
-        if captions_per_image > 1:  # (B/k,P,E) -> (B,P,E); a view expanded, then copied once
-            annotations = annotations.unsqueeze(1).expand(-1, captions_per_image, -1, -1).flatten(0, 1)
         hard_training = self.training and self.attention_mode == "hard"
         # The paper's 50% expected-context batches: decided on the host, so a compiled step has two graphs
         sample = hard_training and bool(torch.rand(()) >= self.expected_context_p)
@@ -242,7 +240,9 @@ class ShowAttendTell(nn.Module):
             captions = pad_to_bucket(captions, self.pad_index)
         # b as a copy: the step may keep it for its backward pass, and update_baseline changes b before that runs
         baseline = self.reward_baseline.clone() if sample else None
-        loss, log_likelihood = self._teacher_forced_loss(annotations, captions, lengths, sample, None, baseline)
+        loss, log_likelihood = self._teacher_forced_loss(
+            annotations, captions, lengths, sample, None, baseline, captions_per_image
+        )
         if hard_training:
             self.update_baseline(log_likelihood)
         return loss
@@ -255,13 +255,19 @@ class ShowAttendTell(nn.Module):
         sample: bool = False,
         locations: torch.Tensor | None = None,
         baseline: torch.Tensor | None = None,
+        captions_per_image: int = 1,
     ) -> tuple[Loss, torch.Tensor | None]:
-        """The loss of captions (B,T) on annotations (B,P,E), by the shrinking or (`fixed_shape`) the fixed-shape
-        decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the baseline b, which this leaves as it
-        is. `locations` (B,T-1) are taken as sampled instead of drawing them (tests); `baseline` is b (by default the
-        model's `reward_baseline`)."""
-        lengths = None if self.fixed_shape else lengths  # fixed shapes: no host sync, one shape per (B,T)
-        logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
+        """The loss of captions (B,T) on annotations (B/k,P,E) (k: `captions_per_image`), by the shrinking or
+        (`fixed_shape`) the fixed-shape decoder; with `sample` (hard attention), also log p(y|s,a) (B,) for the
+        baseline b, which this leaves as it is. `locations` (B,T-1) are taken as sampled instead of drawing them
+        (tests); `baseline` is b (by default the model's `reward_baseline`)."""
+        k = captions_per_image
+        if self.fixed_shape:  # no host sync, one shape per (B,T); each image's keys once, for its k captions
+            logits, alphas, *drawn = self.decoder(annotations, captions, None, sample, locations, k)
+        else:  # the shrinking batch sorts the captions by length, mixing images: (B/k,P,E) -> (B,P,E), a row each
+            if k > 1:
+                annotations = annotations.repeat_interleave(k, dim=0, output_size=captions.size(0))
+            logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
         loss = caption_loss(
             logits, targets, alphas, self.alpha_c, self.pad_index, self.fixed_shape, self.attention_entropy_weight

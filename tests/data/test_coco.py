@@ -111,7 +111,7 @@ def test_fast_dev_run_on_each_format(tmp_path, fmt, monkeypatch):
         held_out = next(
             r
             for r in read_custom(tmp_path / "captions.jsonl", tmp_path / "images")
-            if data._custom_split(str(r.image_id)) != "train"
+            if data.split_files.custom_split(str(r.image_id)) != "train"
         )
         with (tmp_path / "captions.jsonl").open("a") as file:
             file.write(json.dumps({"image": str(held_out.image_id), "caption": "a zeppelin"}) + "\n")

@@ -9,6 +9,7 @@ import pytest
 
 import captioner.data.datamodules as datamodules
 from captioner.data.datamodules import CocoDataModule
+from captioner.data.splits import SplitFiles
 from tests.datasets import write_coco, write_custom, write_karpathy
 
 WRITERS = {"karpathy": write_karpathy, "coco": write_coco, "custom": write_custom}
@@ -34,8 +35,8 @@ def the_same(a, b) -> None:
                 y.tokens(i),
             )
             assert list(dataset.references[i]) == list(other.references[i])
-        for name in ("_tokens", "_lengths", "_counts", "_first", "_starts"):
-            assert np.array_equal(getattr(dataset, name), getattr(other, name)), (split, name)
+        for name in ("tokens", "lengths", "counts", "first", "starts"):
+            assert np.array_equal(getattr(dataset.captions, name), getattr(other.captions, name)), (split, name)
         assert dataset.items == other.items and len(dataset) == len(other)
 
 
@@ -54,7 +55,7 @@ def test_a_later_setup_reads_the_encoded_split_and_gets_what_reading_the_dataset
         raise AssertionError("the dataset's file was read again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(CocoDataModule, "read_split", unread)
+        patch.setattr(SplitFiles, "read_split", unread)
         again = module(tmp_path, fmt)
         again.setup("fit")
         if fmt == "karpathy":
@@ -62,9 +63,10 @@ def test_a_later_setup_reads_the_encoded_split_and_gets_what_reading_the_dataset
     the_same(first, again)
 
     for split, dataset in first.datasets.items():  # each caption as Vocabulary.encode gives it, one by one
-        read = first.read_split(split)
+        read = first.split_files.read_split(split)
         want = [first.vocab.encode(tokens) for i in range(len(read)) for tokens in read.tokens(i)]
-        got = [dataset._tokens[s : s + n].tolist() for s, n in zip(dataset._starts, dataset._lengths, strict=True)]
+        table = dataset.captions
+        got = [table.tokens[s : s + n].tolist() for s, n in zip(table.starts, table.lengths, strict=True)]
         assert got == want and read.identity == dataset.source.identity
 
 

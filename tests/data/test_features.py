@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.data import features
+from captioner.data import disk_cache
 from captioner.data.datamodules import ShapesDataModule
 from captioner.data.features import FeatureCache, reserve
 from captioner.errors import CaptionerError
@@ -86,7 +86,7 @@ def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, 
     reason = cache.problem()
     assert re.fullmatch(pattern, reason), reason
 
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         again, _ = cached_module(tmp_path, encoder)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"{cache.dir}: feature cache {reason}; building it again"]
@@ -121,9 +121,9 @@ def test_annotations_beyond_float16_are_cached_as_float32_with_one_warning(
         plain = encoder(torch.stack([transform(source.load_image(i)) for i in range(4)]))  # (4,P,E)
     Scaled(monkeypatch, 2e4, after)
     cache = FeatureCache(tmp_path / "features", encoder, source)
-    with caplog.at_level(logging.WARNING, logger="captioner.data.features"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         cache.ensure(batch_size=2)
-    (warning,) = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert re.fullmatch(
         rf"{re.escape(str(cache.dir))}: efficientnet_lite0 annotations reach 1\.\d+e\+05, beyond float16's "
         r"range: the cache is float32 \(twice the disk space\)",
@@ -150,7 +150,7 @@ def test_an_encoder_that_gives_non_finite_annotations_is_a_one_line_error(tmp_pa
 
 
 def test_a_missing_cache_is_built_without_a_warning(tmp_path, encoder, caplog):
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         _, cache = cached_module(tmp_path, encoder)
     assert cache.problem() is None and cache.exists
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -164,8 +164,8 @@ def fallback_warnings(caplog) -> list[str]:
 def test_no_space_for_the_cache_trains_on_without_it(tmp_path, encoder, caplog, monkeypatch):
     """The space is checked before anything is encoded: a memory-mapped write on a full disk would kill the process."""
     full = type(shutil.disk_usage(tmp_path))(total=10**9, used=10**9 - 1000, free=1000)
-    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: full)
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    monkeypatch.setattr(disk_cache.shutil, "disk_usage", lambda path: full)
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         module, cache = cached_module(tmp_path, encoder)
     assert fallback_warnings(caplog) == [
         f"{cache.dir}: cannot write the feature cache (no space left: it needs 0.5 MiB, 0.0 MiB are free); the "
@@ -179,7 +179,7 @@ def test_no_space_for_the_cache_trains_on_without_it(tmp_path, encoder, caplog, 
 
 def test_a_cache_folder_that_cannot_be_made_trains_on_without_it(tmp_path, encoder, caplog):
     (tmp_path / "features").write_text("a file where the caches' folder should be")
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         module, cache = cached_module(tmp_path, encoder)
     assert fallback_warnings(caplog) == [
         f"{cache.dir}: cannot write the feature cache (Not a directory); the encoder will run at every step instead"
@@ -193,7 +193,7 @@ def test_a_build_that_fails_midway_leaves_no_temporary_file_and_no_cache(tmp_pat
     cache = FeatureCache(tmp_path / "features", encoder, source)
 
     def fail(*args):
-        assert list(cache.dir.glob("*.tmp.npy"))  # the array being written
+        assert list(cache.dir.glob("*.tmp"))  # the array being written
         raise failure
 
     monkeypatch.setattr(FeatureCache, "_encode_into", fail)
@@ -277,7 +277,7 @@ def test_batches_read_in_one_go_from_the_cache_are_the_item_by_item_batches(tmp_
     gave before it; training batches carry no references, validation batches carry them. The loaders use it."""
     import random
 
-    from captioner.data.datamodules import collate
+    from captioner.data.dataset import collate
 
     module = ShapesDataModule(str(tmp_path), 12, 6, 4, batch_size=5, num_workers=0, train_captions=mode)
     module.set_encoder(encoder)
@@ -302,9 +302,10 @@ def test_batches_read_in_one_go_from_the_cache_are_the_item_by_item_batches(tmp_
 
 
 def test_a_pinned_read_of_the_cache_gives_the_rows_numpy_reads(tmp_path, encoder, monkeypatch):
-    """Where CUDA is, a batch's rows are read by torch straight into memory asked for pinned (`_Inputs.rows`): the
-    same rows, in the same order, as numpy's indexed read; repeated and unsorted rows too. Checked on a CPU with the
-    pinning itself left out (it needs a CUDA driver): the allocation is asked for pinned, and is the tensor returned."""
+    """Where the trainer runs on CUDA, a batch's rows are read by torch straight into memory asked for pinned
+    (`Inputs.rows`): the same rows, in the same order, as numpy's indexed read; repeated and unsorted rows too. Checked
+    on a CPU with the pinning itself left out (it needs a CUDA driver): the allocation is asked for pinned, and is the
+    tensor returned."""
     module = ShapesDataModule(str(tmp_path), 12, 6, 4, batch_size=5, num_workers=0)
     module.set_encoder(encoder)
     module.setup("fit")
@@ -317,13 +318,15 @@ def test_a_pinned_read_of_the_cache_gives_the_rows_numpy_reads(tmp_path, encoder
         return asked[-1]
 
     monkeypatch.setattr(torch, "empty", unpinned)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not inputs.pin  # the trainer runs on the CPU (here: no trainer)
     for indices in ([3, 0, 7, 7, 11], [5], list(range(12))):
-        pinned = inputs.rows(indices)  # by default where CUDA is
+        inputs.pin = True  # as under a trainer on CUDA
+        pinned = inputs.rows(indices)
         assert asked[-2] is True and pinned is asked[-1]
-        want = inputs.rows(indices, pin=False)
+        inputs.pin = False
+        want = inputs.rows(indices)
         assert want.dtype == pinned.dtype == torch.float16 and torch.equal(pinned, want)
-        assert torch.equal(want, torch.from_numpy(np.stack([np.asarray(inputs._array()[i]) for i in indices])))
+        assert torch.equal(want, torch.from_numpy(np.stack([np.asarray(inputs.array()[i]) for i in indices])))
 
 
 @pytest.mark.parametrize("mode", ["all", "random"])
@@ -383,11 +386,11 @@ def test_a_prefetching_thread_ends_when_its_epoch_is_cut_short_and_passes_errors
     dataset = loader.dataset
     rows, calls = dataset.inputs.rows, []
 
-    def failing(indices, pin=None):
+    def failing(indices):
         calls.append(indices)
         if len(calls) == 3:
             raise OSError("Input/output error")
-        return rows(indices, pin)
+        return rows(indices)
 
     dataset.inputs.rows = failing
     iterator = iter(loader)
@@ -432,3 +435,47 @@ def test_a_process_that_ends_while_its_read_ahead_thread_is_inside_torch_exits_c
     result = subprocess.run([sys.executable, "-c", EXIT_MID_READ], capture_output=True, text=True, timeout=120)
     assert result.stdout == "done\n"
     assert result.returncode == 0 and "terminate" not in result.stderr, (result.returncode, result.stderr[-2000:])
+
+
+def test_a_new_epoch_stops_the_read_ahead_of_an_epoch_cut_short_before_it_begins():
+    """An epoch cut short (`limit_train_batches`) leaves its thread reading ahead; the next epoch's iterator stops it
+    and waits for it, so that nothing of the old epoch reads, or draws captions (`train_captions: random`, `grouped`),
+    while the new one draws: the draws would otherwise depend on timing."""
+    import random
+
+    from torch.utils.data import Dataset
+
+    from captioner.data.prefetch import PrefetchingLoader
+
+    class SlowDraws(Dataset):
+        def __init__(self):
+            self.draws: list[float] = []
+
+        def __len__(self):
+            return 20
+
+        def __getitems__(self, indices):
+            time.sleep(0.05)
+            self.draws.append(random.random())
+            return torch.tensor(indices)
+
+    dataset = SlowDraws()
+    loader = PrefetchingLoader(dataset, batch_size=1, prefetch=2, collate_fn=lambda batch: batch)
+    first = iter(loader)
+    next(first)  # its thread reads ahead
+    second = iter(loader)  # the next epoch begins
+    drawn = len(dataset.draws)
+    time.sleep(0.4)
+    assert len(dataset.draws) == drawn  # nothing reads for the old epoch any more
+    assert len(next(second)) == 1 and len(dataset.draws) == drawn + 1
+
+
+def test_a_run_on_the_cpu_pins_nothing_where_cuda_is(tmp_path, encoder, monkeypatch):
+    """Batches are pinned where the trainer runs on CUDA, not wherever CUDA is: a CPU run on a GPU machine neither
+    initialises CUDA nor pins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    module = ShapesDataModule(str(tmp_path), 8, 4, 4, canvas_size=64, num_workers=0)
+    module.set_encoder(encoder)
+    module.setup("fit")
+    loader = module.train_dataloader()
+    assert loader.pin_memory is False and loader.dataset.inputs.pin is False

@@ -46,7 +46,7 @@ def test_a_grouped_batch_holds_each_image_once_and_k_of_its_captions(tmp_path, e
                 mine = batch["captions"][k * row : k * row + k]
                 lengths = batch["lengths"][k * row : k * row + k].tolist()
                 got = [tuple(c[:n].tolist()) for c, n in zip(mine, lengths, strict=True)]
-                count = int(dataset._counts[image])
+                count = int(dataset.captions.counts[image])
                 every = [caption(dataset, image, j) for j in range(count)]
                 assert set(got) <= set(every)
                 if count == k:
@@ -58,8 +58,7 @@ def test_a_grouped_batch_holds_each_image_once_and_k_of_its_captions(tmp_path, e
 
 
 def caption(dataset, image: int, j: int) -> tuple[int, ...]:
-    start = int(dataset._starts[dataset._first[image] + j])
-    return tuple(dataset._tokens[start : start + int(dataset._lengths[dataset._first[image] + j])].tolist())
+    return tuple(dataset.captions.ids(image, j).tolist())
 
 
 def test_the_loss_of_a_grouped_batch_is_that_of_its_pairs_one_per_row(tmp_path, encoder):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.data import image_cache
+from captioner.data import disk_cache, image_cache
 from captioner.data.datamodules import CocoDataModule, ShapesDataModule
 from captioner.data.image_cache import ImageCache
 from captioner.models.encoder import Encoder
@@ -41,7 +41,7 @@ def test_batches_from_the_image_cache_are_the_resized_images_to_jpeg_s_rounding(
         got = list(cached.train_dataloader() if split == "train" else cached.val_dataloader())
         torch.manual_seed(0)
         want = list(plain.train_dataloader() if split == "train" else plain.val_dataloader())
-        assert cached.datasets[split].inputs.images is not None and plain.datasets[split].inputs.images is None
+        assert cached.datasets[split].inputs.kind == "image cache" and plain.datasets[split].inputs.kind == "files"
         for a, b in zip(got, want, strict=True):
             assert a.keys() == b.keys() and a["images"].shape == b["images"].shape == (len(a["index"]), 3, 224, 224)
             assert a["images"].dtype == b["images"].dtype == torch.uint8  # the encoder normalises them
@@ -73,24 +73,24 @@ def test_the_disk_need_is_said_and_checked_before_a_build(tmp_path, encoder, cap
     source = ShapesDataModule(str(tmp_path), train_size=8, val_size=6, test_size=4, canvas_size=96).split("val")
     cache = ImageCache(tmp_path / "image_cache", encoder.preprocessing, source)
     estimate = cache.estimate()
-    with caplog.at_level(logging.INFO, logger="captioner.data.image_cache"):
+    with caplog.at_level(logging.INFO, logger="captioner.data"):
         cache.ensure()
-    (said,) = [r.getMessage() for r in caplog.records if r.name == "captioner.data.image_cache"]
-    assert said.startswith(f"image cache of {source.identity}: 6 images at 224x224, JPEG quality 95, about ")
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "captioner.data.disk_cache"]
+    assert said.startswith(f"image cache of {source.identity}: 6 images at 224x224, JPEG quality 95; about ")
     assert 0.8 * estimate < cache.data.stat().st_size < estimate  # a margin of 10% over the sample's mean
 
     full = type(shutil.disk_usage(tmp_path))(total=10**9, used=10**9 - 1000, free=1000)
-    monkeypatch.setattr(image_cache.shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(disk_cache.shutil, "disk_usage", lambda path: full)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         module = image_module(tmp_path / "full", encoder)
         module.val_dataloader()
     (folder,) = [p for p in (tmp_path / "full" / "image_cache").iterdir() if p.is_dir()]
-    assert [r.getMessage() for r in caplog.records] == [
-        f"{folder}: cannot write the image cache (no space left: it needs about {image_cache.size(estimate)}, "
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{folder}: cannot write the image cache (no space left: it needs about {disk_cache.size(estimate)}, "
         "0.0 MiB are free); images are read from their files instead"
     ]
-    assert module.datasets["val"].inputs.images is None and list(folder.iterdir()) == []
+    assert module.datasets["val"].inputs.kind == "files" and list(folder.iterdir()) == []
 
 
 def test_a_feature_cache_that_does_not_fit_falls_back_to_the_image_cache(tmp_path, encoder, caplog, monkeypatch):
@@ -98,14 +98,14 @@ def test_a_feature_cache_that_does_not_fit_falls_back_to_the_image_cache(tmp_pat
     usage = shutil.disk_usage
     full = type(usage(tmp_path))(total=10**9, used=10**9 - 1000, free=1000)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: full if "features" in str(path) else usage(path))
-    with caplog.at_level(logging.WARNING, logger="captioner.data.datamodules"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         module = image_module(tmp_path, encoder, feature_cache=True)
         module.val_dataloader()
-    (warning,) = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "cannot write the feature cache (no space left" in warning
     assert warning.endswith("; the encoder will run at every step instead (on the image cache)")
     inputs = module.datasets["val"].inputs
-    assert inputs.key == "images" and inputs.images is not None and inputs.images.problem() is None
+    assert inputs.key == "images" and inputs.kind == "image cache" and inputs.images.problem() is None
 
 
 def damage_offsets(cache: ImageCache) -> None:
@@ -128,10 +128,10 @@ def test_a_damaged_image_cache_is_said_and_built_again(tmp_path, encoder, caplog
     want = cache.data.read_bytes()
     damage(cache)
     assert cache.problem().startswith("damaged (")
-    with caplog.at_level(logging.WARNING, logger="captioner.data.image_cache"):
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
         again = ImageCache(cache.dir.parent, encoder.preprocessing, cache.source)
         again.ensure()
-    (said,) = [r.getMessage() for r in caplog.records]
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert said.startswith(f"{cache.dir}: image cache damaged (") and said.endswith("); building it again")
     assert again.problem() is None and cache.data.read_bytes() == want
 
@@ -186,7 +186,7 @@ def test_unreadable_images_are_said_once_skipped_and_remembered(tmp_path, encode
 def test_images_stored_channel_last_are_stacked_as_stored():
     """`stack`: the same batch as torch.stack, in channels-last memory when each image is a view of pixels stored
     channel last (as `ToImage` makes them from PIL images); other inputs stacked as torch.stack stacks them."""
-    from captioner.data.datamodules import stack
+    from captioner.data.dataset import stack
 
     pixels = [torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8).permute(2, 0, 1) for _ in range(4)]
     batch = stack(pixels)
@@ -195,3 +195,28 @@ def test_images_stored_channel_last_are_stacked_as_stored():
     assert torch.equal(stack(rows), torch.stack(rows)) and stack(rows).is_contiguous()
     contiguous = [p.contiguous() for p in pixels]
     assert stack(contiguous).is_contiguous() and torch.equal(stack(contiguous), torch.stack(pixels))
+
+
+def test_the_cache_stores_the_pixels_that_the_model_gets_from_the_file(encoder):
+    """The cache's images are resized by the uncached path's own transform, the one `Captioner.caption` runs: the same
+    pixels before JPEG, for photos of several sizes and shapes (format 1 resized them with PIL's filter instead)."""
+    from tests.images import photo
+
+    class Photos:
+        identity = "photos"
+
+        def __init__(self, images):
+            self.images = images
+
+        def __len__(self):
+            return len(self.images)
+
+        def load_image(self, index):
+            return self.images[index]
+
+    images = [photo("astronaut"), photo("coffee").resize((640, 427)), photo("chelsea").resize((333, 500))]
+    encoded = image_cache._Encoded(Photos(images), encoder.preprocessing)
+    transform = encoder.preprocessing.transforms(normalize=False)
+    for image in images:
+        assert torch.equal(torch.from_numpy(encoded.resize(image)).permute(2, 0, 1), transform(image))
+    assert image_cache.FORMAT == 2  # caches of format 1 are built again, not reused

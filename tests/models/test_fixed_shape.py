@@ -132,3 +132,33 @@ def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
     monkeypatch.setattr(m.decoder, "forward", lambda a, c, _, s, l: forward(a, c, (c != 0).sum(1), s, l))
     with pytest.raises(Exception, match=r"(?i)graph break|data-dependent"):
         m._teacher_forced_loss(a, pad_to_bucket(captions, 0), lengths, False)
+
+
+def test_grouped_teacher_forcing_projects_each_image_s_keys_once_and_gives_the_loss_of_one_row_per_caption(monkeypatch):
+    """A grouped batch (k captions an image) at fixed shapes: each image's annotations (B/k,P,E) go to the decoder
+    once, its keys are projected once and attended by its k captions, where each caption used to get a copy of its
+    image's annotations ((B,P,E): 128 MB at the paper's sizes at every step). The loss and gradients are those of one
+    row per caption, to float rounding; soft and hard attention (the same locations)."""
+    torch.manual_seed(0)
+    m = small_model(attention_mode="hard", position_embedding=True).train()
+    images, k = 3, 4
+    a = torch.randn(images, m.encoder.num_pixels, m.encoder.out_dim).relu()
+    _, captions, lengths = caption_batch(m, lengths=(5, 7, 3, 9, 2, 6, 4, 8, 5, 3, 7, 6))
+    padded = pad_to_bucket(captions, 0)
+    locations = torch.randint(0, m.encoder.num_pixels, (images * k, padded.size(1) - 1))
+    projected = []
+    prepare = m.decoder.prepare
+    monkeypatch.setattr(m.decoder, "prepare", lambda x: projected.append(x.shape[0]) or prepare(x))
+    for sample in (False, True):
+        options = {"sample": sample, "locations": locations if sample else None}
+        grouped = loss_and_gradients(m, True, a, padded, lengths, captions_per_image=k, **options)
+        rows = loss_and_gradients(m, True, a.repeat_interleave(k, dim=0), padded, lengths, **options)
+        for part_g, part_r in zip(grouped[0], rows[0], strict=True):
+            assert torch.allclose(part_g, part_r, rtol=1e-6, atol=1e-7), (part_g, part_r)
+        for name in rows[2]:
+            assert torch.allclose(grouped[2][name], rows[2][name], rtol=1e-5, atol=1e-7), name
+    assert projected == [images, images * k] * 2  # once per image, grouped; once per caption, a row each
+    m.fixed_shape = True
+    projected.clear()
+    m(captions, lengths, annotations=a, captions_per_image=k)  # the model's own forward passes (B/k,P,E)
+    assert projected == [images]
