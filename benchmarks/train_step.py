@@ -4,6 +4,7 @@ popular tutorial writes the loop.
 
     python benchmarks/train_step.py            # on this machine's device (CUDA when present)
     python benchmarks/train_step.py --smoke    # tiny sizes, one pass: checks the script only
+    python benchmarks/train_step.py --forms "grouped, a copy per caption|grouped, each image once"
 
 Forms:
 - tutorial: captions sorted by length, each word run on a slice of the captions still going, the attention projection
@@ -13,7 +14,10 @@ Forms:
 - captioner fixed shapes, uncompiled (on a CPU): every caption runs every step, padded to `bucket_steps`: the form
   that the GPU compiles;
 - captioner compiled (on CUDA): that form under torch.compile(mode="reduce-overhead") (`--model.compile`, the default
-  on CUDA), with the seconds its first two passes took (compiling each caption length's graph).
+  on CUDA), with the seconds its first two passes took (compiling each caption length's graph);
+- grouped (on a CPU, at the paper's sizes): batches of 16 images with 5 captions each (80 captions, as
+  configs/coco_resnet101.yaml trains), fixed shapes, uncompiled: each image's annotations and keys once for its 5
+  captions, against a copy of them for each caption (what the step did before).
 
 On a CPU: the shapes sizes and the paper's, batches of 64 captions, float32. On CUDA: the paper's sizes (P=196,
 E=2048, D=A=M=512, V=10,000), batches of 64 and 256, float32 with TF32 matmuls (the CLI's default on CUDA) and under
@@ -58,15 +62,19 @@ def model(dims: tuple, device: torch.device) -> ShowAttendTell:
     return m.to(device).train()
 
 
+GROUPED = 5  # captions an image in the grouped forms (configs/coco_resnet101.yaml's 16 images x 5 captions)
+
+
 def captions_per_second(dims: tuple, B: int, form: str, bf16: bool, device: torch.device, passes: int) -> dict:
     torch.compiler.reset()
     m = model(dims, device)
     if form == "compiled":  # --smoke: Dynamo's capture only, not Inductor's minutes of C++ compiling
         m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
-    m.fixed_shape = form in ("fixed shapes", "compiled")
+    m.fixed_shape = form != "tutorial" and form != "eager"
     optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
+    k = GROUPED if form.startswith("grouped") else 1
     data = [
-        (annotations(dims, B, seed=i).to(device), captions.to(device), lengths.to(device))
+        (annotations(dims, B // k, seed=i).to(device), captions.to(device), lengths.to(device))
         for i, (captions, lengths) in enumerate(caption_batches(dims[-1], B))
     ]
 
@@ -76,8 +84,10 @@ def captions_per_second(dims: tuple, B: int, form: str, bf16: bool, device: torc
             if form == "tutorial":
                 logits, alphas, order = tutorial_forward(m.decoder, a, captions, lengths)
                 loss = caption_loss(logits, captions[order, 1:], alphas, m.alpha_c).loss
+            elif form == "grouped, a copy per caption":  # each caption its image's annotations, as before
+                loss = m(captions, lengths, annotations=a.repeat_interleave(k, dim=0)).loss
             else:
-                loss = m(captions, lengths, annotations=a).loss
+                loss = m(captions, lengths, annotations=a, captions_per_image=k).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)
         optimizer.step()
@@ -99,13 +109,22 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pass: checks the script only")
     parser.add_argument("--out", help="a folder for the table's rows (train_step.jsonl as measured, train_step.md)")
     parser.add_argument("--budget", type=float, help="seconds: forms not started by then become rows that say so")
+    parser.add_argument("--forms", help="only these forms, separated by |")
     options = parser.parse_args()
     cuda = torch.cuda.is_available() and not options.smoke
     device = torch.device("cuda" if cuda else "cpu")
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA, what `captioner fit` sets there by default
     print(f"# train_step.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
     if options.smoke:
-        runs = [("tiny", TINY, 8, False, form) for form in ("tutorial", "eager", "fixed shapes", "compiled")]
+        forms = (
+            "tutorial",
+            "eager",
+            "fixed shapes",
+            "compiled",
+            "grouped, a copy per caption",
+            "grouped, each image once",
+        )
+        runs = [("tiny", TINY, 2 * GROUPED, False, form) for form in forms]
     elif cuda:
         runs = [
             ("paper", SIZES["paper"], B, bf16, form)
@@ -116,19 +135,25 @@ def main() -> None:
     else:
         forms = ("tutorial", "eager", "fixed shapes")
         runs = [(size, dims, 64, False, form) for size, dims in SIZES.items() for form in forms]
+        grouped = ("grouped, a copy per caption", "grouped, each image once")
+        runs += [("paper", SIZES["paper"], 16 * GROUPED, False, form) for form in grouped]
+    if options.forms:
+        runs = [run for run in runs if run[-1] in options.forms.split("|")]
     passes = 1 if options.smoke else 5 if cuda else 3
     rows = Table("train_step", "training step, captions/s", out_folder(options.out), deadline(options.budget))
-    tutorial: dict[tuple, float] = {}  # the tutorial's rate at each size, batch and precision
+    tutorial: dict[tuple, float] = {}  # the tutorial's rate (grouped: the copy's) at each size, batch and precision
     for size, dims, B, bf16, form in runs:
         precision = "bf16-mixed" if bf16 else "float32 (TF32)" if cuda else "float32"
 
         def measure(size=size, dims=dims, B=B, bf16=bf16, form=form):
             result = captions_per_second(dims, B, form, bf16, device, passes)
             rate = float(result["captions/s"])
-            if form == "tutorial":
+            if form in ("tutorial", "grouped, a copy per caption"):  # what the next forms are compared with
                 tutorial[size, B, bf16] = rate
             elif (size, B, bf16) in tutorial:
-                result["x tutorial"] = f"{rate / tutorial[size, B, bf16]:.2f}x"
+                result["x tutorial" if not form.startswith("grouped") else "x a copy per caption"] = (
+                    f"{rate / tutorial[size, B, bf16]:.2f}x"
+                )
             return result
 
         rows.measure({"sizes": size, "batch": B, "precision": precision, "form": form}, measure)

@@ -12,6 +12,7 @@ import csv
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 from captioner.data.images import load_image
-from captioner.data.vocab import lost_characters, tokenize
+from captioner.data.vocab import tokenize, words_and_lost
 from captioner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Record:
-    image: Path
+    image: str  # the image file's path, as pathlib spells it (`image_path`)
     captions: list[str]
     image_id: int | str = field(default=0)
     tokens: list[list[str]] | None = field(default=None, compare=False, repr=False)  # each caption's, from `clean`
@@ -45,7 +46,7 @@ def read_coco(annotation_file: str | Path, image_dir: str | Path) -> list[Record
     for image_id in sorted(coco.getImgIds()):
         info = coco.loadImgs(image_id)[0]
         captions = [a["caption"] for a in coco.loadAnns(coco.getAnnIds(imgIds=image_id))]
-        records.append(Record(Path(image_dir) / info["file_name"], captions, image_id))
+        records.append(Record(str(Path(image_dir) / info["file_name"]), captions, image_id))
     return records
 
 
@@ -63,14 +64,24 @@ def read_karpathy_splits(split_file: str | Path, image_root: str | Path) -> dict
     if not split_file.is_file():
         raise ConfigError(f"{split_file}: Karpathy split file not found")
     splits: dict[str, list[Record]] = {"train": [], "val": [], "test": []}
-    root = Path(image_root)
+    folders: dict[str, Path] = {}  # each image folder, made once (pathlib is slow to make 123k paths)
     for item in json.loads(split_file.read_text())["images"]:
         if item["split"] in KARPATHY_SPLITS:
-            path = root.joinpath(item.get("filepath", ""), item["filename"])
+            filepath = item.get("filepath", "")
+            folder = folders.get(filepath) or folders.setdefault(filepath, Path(image_root, filepath))
             captions = [s.get("raw") or " ".join(s["tokens"]) for s in item["sentences"]]
             image_id = item.get("cocoid", item.get("imgid", item["filename"]))
-            splits[KARPATHY_SPLITS[item["split"]]].append(Record(path, captions, image_id))
+            splits[KARPATHY_SPLITS[item["split"]]].append(
+                Record(image_path(folder, item["filename"]), captions, image_id)
+            )
     return splits
+
+
+def image_path(folder: Path, name: str) -> str:
+    """`str(folder / name)`, without making a Path for a plain file name (a few microseconds each, for 123k)."""
+    if "/" in name or "\\" in name or name in ("", ".", ".."):
+        return str(folder / name)
+    return name if str(folder) == "." else f"{folder}{'' if str(folder).endswith('/') else '/'}{name}"
 
 
 def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record]:
@@ -98,7 +109,7 @@ def read_custom(captions_file: str | Path, image_dir: str | Path) -> list[Record
     by_image: dict[str, list[str]] = {}
     for image, caption in rows:
         by_image.setdefault(image, []).append(caption)
-    return [Record(Path(image_dir) / image, caps, image) for image, caps in by_image.items()]
+    return [Record(str(Path(image_dir) / image), caps, image) for image, caps in by_image.items()]
 
 
 def clean(records: list[Record], max_caption_len: int | None, name: str) -> tuple[list[Record], str | None]:
@@ -110,15 +121,17 @@ def clean(records: list[Record], max_caption_len: int | None, name: str) -> tupl
     missing: Path | None = None
     lost: Counter[str] = Counter()  # symbols and emoji that `tokenize` drops -> captions that had them
     kept = []
+    files = _Listings()
     for record in records:
-        if not record.image.is_file():
+        if not files.has(record.image):
             dropped["image file missing"] += 1
-            missing = missing or record.image
+            missing = missing or Path(record.image)
             continue
         captions, tokens = [], []
         for caption in record.captions:
-            words = tokenize(caption)
-            lost.update(lost_characters(caption))
+            words, symbols = words_and_lost(caption)
+            if symbols:
+                lost.update(symbols)
             if not words:
                 dropped["empty caption"] += 1
             elif max_caption_len is not None and len(words) > max_caption_len:
@@ -142,6 +155,27 @@ def clean(records: list[Record], max_caption_len: int | None, name: str) -> tupl
         symbols = " ".join(symbol for symbol, _ in lost.most_common(10))
         summary += f"{';' if dropped else ''} captions lose the symbols {symbols} (the tokenizer keeps words)"
     return kept, summary
+
+
+class _Listings:
+    """Whether image files exist, from one listing of each folder (a stat of every file takes seconds at COCO's
+    size). A listed entry counts as a file if it is one, or a link to anything: a link that leads nowhere is said when
+    its image is read, as an unreadable file is."""
+
+    def __init__(self):
+        self.folders: dict[str, set[str]] = {}
+
+    def has(self, path: str) -> bool:
+        folder, name = os.path.split(path)
+        names = self.folders.get(folder)
+        if names is None:
+            try:
+                with os.scandir(folder or ".") as entries:
+                    names = {e.name for e in entries if e.is_symlink() or e.is_file(follow_symlinks=False)}
+            except OSError:  # a missing folder: nothing in it
+                names = set()
+            self.folders[folder] = names
+        return name in names
 
 
 PLURALS = {"image file missing": "image files missing", "image with no usable caption": "images with no usable caption"}
@@ -187,4 +221,4 @@ class CaptionSet:
         return self.records[index].image_id
 
     def image(self, index: int) -> Path:
-        return self.records[index].image
+        return Path(self.records[index].image)

@@ -4,6 +4,7 @@ every dataset, and the two kinds there are: the built-in shapes set and real cap
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -118,8 +119,13 @@ class CaptionDataModule(L.LightningDataModule):
                 if path.exists():
                     self._vocab = Vocabulary.load(path)
                 else:
-                    captions = (tokens for i in range(len(train)) for tokens in _tokens(train, i))
-                    self._vocab = Vocabulary.build(captions, self.min_word_count, self.max_vocab_size)
+                    if isinstance(train, EncodedSplit):  # its word ids counted at once
+                        counts = train.word_counts()
+                    else:
+                        counts = Counter(
+                            word for i in range(len(train)) for tokens in _tokens(train, i) for word in tokens
+                        )
+                    self._vocab = Vocabulary.from_counts(counts, self.min_word_count, self.max_vocab_size)
                     self._vocab.save(path)
         return self._vocab
 

@@ -57,15 +57,9 @@ class EncodedSplit:
 
     @classmethod
     def from_caption_set(cls, split: CaptionSet, name: str) -> EncodedSplit:
-        index: dict[str, int] = {}
-        tokens, lengths, counts, raw = [], [], [], []
-        for i in range(len(split)):
-            captions = split.tokens(i)
-            counts.append(len(captions))
-            raw.append(split.captions(i))
-            for words in captions:
-                lengths.append(len(words))
-                tokens.extend(index.setdefault(word, len(index)) for word in words)
+        captions = [split.tokens(i) for i in range(len(split))]  # each image's captions' tokens
+        words = [word for tokens in captions for caption in tokens for word in caption]  # every word, in order
+        index = {word: i for i, word in enumerate(dict.fromkeys(words))}  # the split's word list, first seen first
         meta = {
             "name": name,
             "identity": split.identity,
@@ -74,10 +68,11 @@ class EncodedSplit:
             "images": [str(record.image) for record in split.records],
             "words": list(index),
         }
+        raw = [split.captions(i) for i in range(len(split))]
         arrays = {
-            "tokens": np.array(tokens, dtype=np.int32),
-            "lengths": np.array(lengths, dtype=np.int32),
-            "counts": np.array(counts, dtype=np.int32),
+            "tokens": np.fromiter(map(index.__getitem__, words), dtype=np.int32, count=len(words)),
+            "lengths": np.array([len(caption) for tokens in captions for caption in tokens], dtype=np.int32),
+            "counts": np.array([len(tokens) for tokens in captions], dtype=np.int32),
             "raw": np.frombuffer(json.dumps(raw).encode(), dtype=np.uint8),
         }
         return cls(meta, arrays)
@@ -136,6 +131,11 @@ class EncodedSplit:
 
     def image_id(self, index: int) -> int | str:
         return self._image_ids[index]
+
+    def word_counts(self) -> dict[str, int]:
+        """How many times each of the split's words occurs in its captions (what a vocabulary is built from)."""
+        counts = np.bincount(self.tokens_flat, minlength=len(self._words))
+        return dict(zip(self._words, counts.tolist(), strict=True))
 
     def encode(self, vocabulary) -> tuple[np.ndarray, np.ndarray]:
         """Every caption as `vocabulary.encode` gives it, at once: the ids of all captions end to end (each

@@ -6,7 +6,7 @@ import json
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -60,8 +60,18 @@ def tokenize(text: str) -> list[str]:
 
 def lost_characters(text: str) -> set[str]:
     """The characters that `tokenize` drops other than punctuation and spaces (symbols such as "$" or "°", emoji)."""
+    return set(words_and_lost(text)[1])
+
+
+def words_and_lost(text: str) -> tuple[list[str], set[str] | tuple[()]]:
+    """`tokenize(text)` and `lost_characters(text)` (an empty tuple when nothing is lost), the text normalised once:
+    what reading a split does for each of its captions (616k of them for COCO's training split)."""
     text = normalize(text)
-    return set(_ASCII_LOST.findall(text) if text.isascii() else _patterns()[2].findall(text))
+    if text.isascii():
+        words = _ASCII_TOKEN.findall(text)
+        return words, set(_ASCII_LOST.findall(text)) if _ASCII_LOST.search(text) else ()
+    token, _, lost = _patterns()
+    return token.findall(text), set(lost.findall(text))
 
 
 def detokenize(words: Sequence[str]) -> str:
@@ -103,7 +113,12 @@ class Vocabulary:
 
         Ties in frequency are broken alphabetically, so the same captions always give the same vocabulary.
         """
-        counts = Counter(word for caption in captions for word in _words(caption))
+        return cls.from_counts(Counter(word for caption in captions for word in _words(caption)), min_freq, max_size)
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None) -> Vocabulary:
+        """The vocabulary of words counted `counts` times (`build`'s rule: at least `min_freq`, at most `max_size`
+        ids, the most frequent first, ties alphabetical)."""
         words = sorted((w for w, n in counts.items() if n >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(cls.SPECIALS))]

@@ -1,10 +1,11 @@
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
 from captioner.cli import main
-from captioner.data.coco import clean, read_coco, read_custom, read_karpathy
+from captioner.data.coco import clean, image_path, read_coco, read_custom, read_karpathy
 from captioner.data.datamodules import CocoDataModule
 from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError
@@ -39,10 +40,10 @@ def test_readers_agree_on_the_photos_and_their_captions(tmp_path):
     write_karpathy(tmp_path / "karpathy")
     write_custom(tmp_path / "custom")
     coco = read_coco(tmp_path / "coco/annotations/captions_train2014.json", tmp_path / "coco/train2014")
-    assert [r.image.name for r in coco] == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]
+    assert [Path(r.image).name for r in coco] == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]
     assert coco[1].captions == CAPTIONS["chelsea.jpg"] and coco[1].image_id == 2
     train = read_karpathy(tmp_path / "karpathy/dataset_coco.json", tmp_path / "karpathy", "train")
-    assert sorted(r.image.name for r in train) == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]  # + restval
+    assert sorted(Path(r.image).name for r in train) == ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"]  # + restval
     assert [r.image_id for r in read_karpathy(tmp_path / "karpathy/dataset_coco.json", tmp_path, "test")] == [104]
     custom = read_custom(tmp_path / "custom/captions.jsonl", tmp_path / "custom/images")
     assert len(custom) == 12 and all(len(r.captions) == 2 for r in custom)
@@ -50,6 +51,16 @@ def test_readers_agree_on_the_photos_and_their_captions(tmp_path):
     assert [r.captions for r in read_custom(tmp_path / "csv/captions.csv", tmp_path / "csv/images")] == [
         r.captions for r in custom
     ]
+
+
+@pytest.mark.parametrize("root", [".", "./", "data", "data/", "/abs/data", "data//coco", "../up"])
+@pytest.mark.parametrize("filepath", ["", ".", "train2014", "val2014/"])
+@pytest.mark.parametrize("name", ["a.jpg", "sub/b.jpg", "./c.jpg", "..", "d e.png"])
+def test_an_image_path_is_spelled_as_pathlib_spells_it(root, filepath, name):
+    """`image_path` makes Karpathy's 123k paths without pathlib; they must be pathlib's strings, which name the
+    splits (their identities key the vocabulary and the caches)."""
+    folder = Path(root, filepath)
+    assert image_path(folder, name) == str(folder / name)
 
 
 def test_bad_annotations_are_counted_and_skipped_in_one_line_that_shows_what_was_found(tmp_path):

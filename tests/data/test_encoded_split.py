@@ -131,3 +131,24 @@ def test_a_damaged_encoded_split_is_said_once_and_read_again_and_an_unwritable_f
     said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(said) == 2 and all("the split is read again in every run" in line for line in said)  # train, val
     the_same(first, blocked)
+
+
+def test_a_first_setup_neither_stats_each_image_nor_rebuilds_each_caption_s_tokens(tmp_path, monkeypatch):
+    """What made COCO's first `setup("fit")` slow beyond reading its file and tokenizing once (docs/benchmarks.md):
+    a stat of every image file (one listing of each folder instead), and the vocabulary counted from every caption's
+    tokens rebuilt as strings (from the split's word ids at once instead). The same splits and vocabulary come out
+    (test above)."""
+    from pathlib import Path
+
+    from captioner.data.splits import EncodedSplit
+
+    write_karpathy(tmp_path)
+    stats, rebuilt = [], []
+    is_file, tokens = Path.is_file, EncodedSplit.tokens
+    monkeypatch.setattr(Path, "is_file", lambda self: stats.append(self) or is_file(self))
+    monkeypatch.setattr(EncodedSplit, "tokens", lambda self, i: rebuilt.append(i) or tokens(self, i))
+    data = module(tmp_path, "karpathy")
+    data.setup("fit")
+    images = len(data.split("train")) + len(data.split("val"))
+    assert images >= 4 and len(stats) <= 2  # the dataset's file (and none per image)
+    assert rebuilt == []
