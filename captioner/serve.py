@@ -128,7 +128,9 @@ class HeadDeadline(H11Protocol):
     opened. No uvicorn setting does this: its keep-alive timer starts after a response, and the first byte of the next
     request stops it, so a client that sends half a head, or nothing, would hold its connection for ever.
 
-    It overrides asyncio.Protocol's `connection_made` alone and uses only the transport's documented methods. Whether
+    It overrides asyncio.Protocol's `connection_made` and `connection_lost` and uses only the transport's documented
+    methods; the deadline's timer ends with its connection, so that nothing holds a closed connection's protocol (and
+    its request's state) until the deadline would have come. Whether
     the head arrived is this connection's own state: uvicorn starts its request's cycle (`cycle`) when it has parsed
     the head. (Not the ASGI scope's client address: behind a reverse proxy, uvicorn puts the forwarded address there.)
     Every response closes its connection (`Connection: close`), so a connection carries one request and one head.
@@ -145,7 +147,11 @@ class HeadDeadline(H11Protocol):
             if self.cycle is None and not transport.is_closing():  # no request head yet
                 transport.close()
 
-        asyncio.get_running_loop().call_later(self.timeout, expire)
+        self.deadline = asyncio.get_running_loop().call_later(self.timeout, expire)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.deadline.cancel()
+        super().connection_lost(exc)
 
 
 class Batcher:

@@ -384,3 +384,43 @@ def test_a_stalled_body_is_a_408_whatever_class_asyncio_times_out_with(monkeypat
     _, sent = drive(BoundedBodies(None, 1, 0.1), [])
     assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
     assert b"no part of the upload arrived for 0.1 s" in sent[1]["body"]
+
+
+def test_a_closed_connection_s_protocol_is_not_held_by_its_head_deadline():
+    """The head deadline's timer ends with its connection: nothing holds a closed connection's protocol until the
+    deadline would have come (before, the loop's timer kept each one for `timeout` seconds)."""
+    import gc
+    import weakref
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    class Transport(asyncio.Transport):
+        def __init__(self):
+            super().__init__()
+            self.closed = False
+
+        def get_extra_info(self, name, default=None):
+            return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+    async def connect_and_close() -> weakref.ref:
+        config = uvicorn.Config(lambda scope, receive, send: None, log_level="error")
+        config.load()
+        protocol = serve.HeadDeadline(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+        protocol.connection_made(Transport())
+        protocol.connection_lost(None)
+        return weakref.ref(protocol)
+
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = loop.run_until_complete(connect_and_close())
+        gc.collect()
+        assert protocol() is None
+    finally:
+        loop.close()
