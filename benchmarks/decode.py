@@ -11,7 +11,7 @@ Tables:
   (the CPU's default) against the sync-free one (CUDA's), which reads whether every caption has ended every 8 words;
 - compiled: the bundled model, eager against `compile_decoder=True` (`Captioner.load`), each searching as it does by
   default on this device;
-- random_compiled: random decoders at both sizes, eager against compiled (`AttentionDecoder.compile_steps`);
+- random_compiled: random decoders at both sizes, eager against compiled (`AttentionDecoder.compile_search`);
 - tutorial: beam 3 at the paper's sizes (16 words an image), one image at a time and 64 at once: the tutorial's
   search (one image at a time, its beams shrinking as they end, a device-to-host copy at every word), and captioner's
   sync-free, shrinking and compiled forms (runs of 8 words a graph, the default; and the whole search one graph,
@@ -148,7 +148,7 @@ def random_compiled_table(sizes: dict, device, calls: dict, out, until) -> None:
     rows = Table("random_compiled", "images/s: eager (this device's default search) and compiled", out, until)
     for size, dims in sizes.items():
         eager = random_decoder(dims).to(device)
-        compiled = random_decoder(dims).to(device).compile_steps(**compile_options(device))
+        compiled = random_decoder(dims).to(device).compile_search(**compile_options(device))
         for beam, batch in itertools.product((1, 3), (1, 64)):
 
             def measure(beam=beam, batch=batch, dims=dims, eager=eager, compiled=compiled):
@@ -170,7 +170,7 @@ def tutorial_table(dims: tuple, sizes: str, device, calls: dict, out, until) -> 
     """Beam 3 at `dims`: the tutorial's search against captioner's forms, at batch 1 and 64 (one row per form,
     measured one form at a time so that a failing one costs only its row)."""
     decoder = random_decoder(dims).to(device)
-    compiled = random_decoder(dims).to(device).compile_steps(**compile_options(device))
+    compiled = random_decoder(dims).to(device).compile_search(**compile_options(device))
     images = annotations(dims, 64).to(device)
     rows = Table("tutorial", f"beam 3, images/s at the {sizes} sizes ({MAX_LEN} words an image)", out, until)
     with torch.inference_mode():

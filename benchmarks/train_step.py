@@ -69,7 +69,7 @@ def captions_per_second(dims: tuple, B: int, form: str, bf16: bool, device: torc
     torch.compiler.reset()
     m = model(dims, device)
     if form == "compiled":  # --smoke: Dynamo's capture only, not Inductor's minutes of C++ compiling
-        m.compile_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
+        m.compile_training_step(**({"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}))
     m.fixed_shape = form != "tutorial" and form != "eager"
     optimizer = torch.optim.Adam(m.parameters(), lr=4e-4)
     k = GROUPED if form.startswith("grouped") else 1

@@ -48,7 +48,7 @@ class Captioner:
     The model is for inference only: its encoder's BatchNorms are folded into its convolutions
     (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the search's whole
     work per word (the decoder's step, the choice of words, the beams' reordering) with torch.compile at fixed shapes
-    (`AttentionDecoder.compile_steps`), captured as CUDA graphs on CUDA: the searches then run sync-free. Each number
+    (`AttentionDecoder.compile_search`), captured as CUDA graphs on CUDA: the searches then run sync-free. Each number
     of images per batch and beam size compiles once, at its first captions (seconds on a CPU, where it needs a C++
     compiler); captions are then faster (docs/benchmarks.md). `compile_encoder` compiles the encoder's forward the
     same way (`Encoder.compile_forward`): a graph per number of images a call has.
@@ -68,7 +68,7 @@ class Captioner:
         # CUDA graphs on CUDA: each word's, and the backbone's, many small kernels replayed in one launch
         options = {"mode": "reduce-overhead"} if self.device.type == "cuda" else {}
         if compile_decoder:
-            self.model.decoder.compile_steps(**options)
+            self.model.decoder.compile_search(**options)
         if compile_encoder:
             self.model.encoder.compile_forward(**options)
         self.vocab = vocab

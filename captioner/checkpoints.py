@@ -127,7 +127,21 @@ def model_file(path: str | Path, name: str | None = None) -> ModelFile:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no model weights and hyper-parameters)")
     if not vocab:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no vocabulary)")
-    return ModelFile(dict(hparams), list(vocab), weights, Fingerprint.read(state))
+    return ModelFile(renamed(dict(hparams)), list(vocab), weights, Fingerprint.read(state))
+
+
+# Model options renamed since a model file could have been written: old name -> new. A file's hyper-parameters under
+# an old name are read under the new one; the command line and config files refuse the old one (`captioner.cli`).
+RENAMED = {
+    "entropy_weight": "reinforce_entropy_weight",  # hard attention's lambda_e, beside reinforce_weight (lambda_r)
+    "attention_entropy_weight": "attention_entropy_penalty",  # soft attention's penalty on each word's entropy
+}
+
+
+def renamed(hparams: dict) -> dict:
+    """`hparams` with every option under its current name (`RENAMED`); a value under a current name wins."""
+    current = {RENAMED.get(key, key): value for key, value in hparams.items() if key in RENAMED}
+    return current | {key: value for key, value in hparams.items() if key not in RENAMED}
 
 
 def model_options(hparams: dict) -> dict:

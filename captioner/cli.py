@@ -101,8 +101,36 @@ def _check_config_paths(argv: list[str]) -> None:
             raise ConfigError(f"{path}: config file not found")
 
 
+def _check_renamed(argv: list[str]) -> None:
+    """An option renamed since (`captioner.checkpoints.RENAMED`), on the command line or in a config file, is refused
+    in one line that names its new name (jsonargparse's own error would list every option)."""
+    import yaml
+
+    from captioner.checkpoints import RENAMED
+
+    configs = []
+    for i, arg in enumerate(argv):
+        for old, new in RENAMED.items():
+            if arg == f"--model.{old}" or arg.startswith(f"--model.{old}="):
+                raise ConfigError(f"--model.{old} is now --model.{new}")
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            configs.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+    for path in configs:
+        try:
+            config = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):  # said by the parser, in its own words
+            continue
+        model = config.get("model") if isinstance(config, dict) else None
+        for old, new in RENAMED.items():
+            if isinstance(model, dict) and old in model:
+                raise ConfigError(f"{path}: model.{old} is now model.{new}")
+
+
 def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
     _check_config_paths(argv)
+    _check_renamed(argv)
     from jsonargparse import ArgumentError
 
     from captioner.data.datamodules import CaptionDataModule

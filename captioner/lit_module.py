@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 from typing import Literal, get_args
 
 import lightning as L
@@ -9,7 +11,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 
-from captioner.checkpoints import Fingerprint, load_initial_weights, with_encoder, without_encoder
+from captioner.checkpoints import (
+    RENAMED,
+    Fingerprint,
+    load_initial_weights,
+    renamed,
+    with_encoder,
+    without_encoder,
+)
 from captioner.data.vocab import Vocabulary
 from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states, zero_loss
 from captioner.errors import ConfigError, check_choice
@@ -106,6 +115,7 @@ class CaptioningModule(L.LightningModule):
         check_choice("lr_monitor", lr_monitor, LR_MONITORS)
         if str(compile).lower() not in COMPILE_CHOICES:
             raise ConfigError(f"compile must be auto, true or false, got {compile!r}")
+        model_options = renamed(model_options)  # a checkpoint written before (load_from_checkpoint): current names
         self.save_hyperparameters()
         self.vocab = Vocabulary(vocab)
         self.model = ShowAttendTell(
@@ -121,6 +131,21 @@ class CaptioningModule(L.LightningModule):
         self._resumed_rng_states: dict | None = None
         self.objective: TeacherForcing | SelfCritical = TEACHER_FORCING  # SCST's is made when a fit starts
         self.finite_losses = FiniteLosses(self.where)  # a method, not a lambda: the module stays picklable
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, **kwargs) -> CaptioningModule:
+        """Lightning's, for a checkpoint written before options were renamed (`captioner.checkpoints.RENAMED`) too:
+        Lightning checks the stored hyper-parameters against this class's options before it makes the module, so
+        old names are read under the current ones first."""
+        if not isinstance(checkpoint_path, (str, os.PathLike)):  # a file object: as it is
+            return super().load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
+        if isinstance(state, dict) and RENAMED.keys() & state.get("hyper_parameters", {}).keys():
+            state["hyper_parameters"] = renamed(state["hyper_parameters"])
+            checkpoint_path = io.BytesIO()
+            torch.save(state, checkpoint_path)
+            checkpoint_path.seek(0)
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
@@ -161,7 +186,7 @@ class CaptioningModule(L.LightningModule):
             options, note = compile_options(self.device.type, accumulate, self.hparams.get("compile_backend"))
             if note:
                 rank_zero_info(note)
-            self.model.compile_step(**options)
+            self.model.compile_training_step(**options)
         # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
         # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
         if self._resumed_rng_states is not None:

@@ -19,6 +19,8 @@ SPECIAL = {"start_index": START, "end_index": END, "pad_index": PAD}
 class TableDecoder:
     """Next-word probabilities depend only on the previous word, read from a (V,V) table of probabilities."""
 
+    compiled = False
+
     def __init__(self, probs: dict[int, dict[int, float]], vocab_size: int = 6):
         self.vocab_size = vocab_size
         self.logits = torch.full((vocab_size, vocab_size), -1e4)

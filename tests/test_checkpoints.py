@@ -3,6 +3,8 @@ pretrained source's, whatever the run's options, and every file loads with the w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -169,3 +171,41 @@ def test_export_builds_no_pretrained_encoder_for_a_file_that_holds_its_own(tiny_
     again = model_file(export(full, tmp_path / "again.pt"))
     assert again.has_encoder and again.fingerprint is None
     assert all(torch.equal(v, model_file(full).weights[k]) for k, v in again.weights.items())
+
+
+def test_a_file_written_before_the_renames_keeps_its_options_and_old_names_are_refused_in_one_line(
+    tmp_path, capfd, tiny_checkpoint
+):
+    """Options renamed since a file could be written (`RENAMED`): the file's values under the old names are read
+    under the new ones, not dropped, by `Captioner.load` and by Lightning's `load_from_checkpoint`; on the command
+    line and in a config file the old name is refused in one line that names the new one. The bundled model is such
+    a file (written with `entropy_weight`, at its default); the test's own file has non-default values of both."""
+    from captioner.api import Captioner
+    from captioner.checkpoints import RENAMED, model_file
+    from captioner.lit_module import CaptioningModule
+    from tests.conftest import run_main
+
+    bundled = model_file(Path(__file__).parent.parent / "captioner" / "assets" / "shapes.pt")
+    assert not RENAMED.keys() & bundled.hparams.keys() and bundled.hparams["reinforce_entropy_weight"] == 0.002
+
+    state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=False)  # a `captioner fit` checkpoint
+    old = {"entropy_weight": 0.05, "attention_entropy_weight": 0.7}  # as a file written before the renames held them
+    for new in RENAMED.values():
+        state["hyper_parameters"].pop(new, None)
+    state["hyper_parameters"] |= old
+    torch.save(state, tmp_path / "old.ckpt")
+    model = Captioner.load(tmp_path / "old.ckpt").model
+    assert (model.reinforce_entropy_weight, model.attention_entropy_penalty) == (0.05, 0.7)
+    restored = CaptioningModule.load_from_checkpoint(tmp_path / "old.ckpt", map_location="cpu").model
+    assert (restored.reinforce_entropy_weight, restored.attention_entropy_penalty) == (0.05, 0.7)
+
+    ran = run_main(capfd, "fit", "--config", "configs/debug.yaml", "--model.entropy_weight=0.1")
+    assert ran.status == 2 and ran.err.splitlines() == [
+        "error: --model.entropy_weight is now --model.reinforce_entropy_weight"
+    ]
+    config = tmp_path / "old.yaml"
+    config.write_text("model:\n  attention_entropy_weight: 0.5\n")
+    ran = run_main(capfd, "fit", "--config", "configs/debug.yaml", "--config", str(config))
+    assert ran.status == 2 and ran.err.splitlines() == [
+        f"error: {config}: model.attention_entropy_weight is now model.attention_entropy_penalty"
+    ]

@@ -30,9 +30,9 @@ def test_a_compiled_decoder_compiles_a_graph_per_shape_and_never_again():
     with torch.no_grad():
         eager.L_o.bias[SPECIAL["end_index"]] += 1.5  # captions that end, at different words
     compiled.load_state_dict(eager.state_dict())
-    assert compiled.compile_steps(backend=counting) is compiled and compiled.compiled and not eager.compiled
+    assert compiled.compile_search(backend=counting) is compiled and compiled.compiled and not eager.compiled
     step = compiled.step
-    assert compiled.compile_steps() is compiled and compiled.step is step  # not wrapped a second time
+    assert compiled.compile_search() is compiled and compiled.step is step  # not wrapped a second time
     generator = torch.Generator().manual_seed(0)
     lengths = set()
     every = {"check_every": 2, **SPECIAL}  # runs of two words: the captions here end within a few
@@ -158,8 +158,10 @@ def test_a_compiled_fit_logs_what_the_plain_fit_logs_and_their_checkpoints_are_i
     from captioner.models.show_attend_tell import ShowAttendTell
     from tests.conftest import tiny_fit_args
 
-    compile_step = ShowAttendTell.compile_step
-    monkeypatch.setattr(ShowAttendTell, "compile_step", lambda self, **o: compile_step(self, **o, backend=backend))
+    compile_step = ShowAttendTell.compile_training_step
+    monkeypatch.setattr(
+        ShowAttendTell, "compile_training_step", lambda self, **o: compile_step(self, **o, backend=backend)
+    )
     torch.compiler.reset()
     data = f"--data.init_args.data_dir={tmp_path / 'data'}"
     plain, compiled = tmp_path / "plain", tmp_path / "compiled"

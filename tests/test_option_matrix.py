@@ -177,7 +177,7 @@ def options(row: Row, starts: dict[tuple[str, str], Path]) -> list[str]:
     if row["inputs"] == "image_cache":
         args += ["--data.init_args.feature_cache=false", "--data.init_args.image_cache=true"]
     if row["entropy"]:
-        args.append(f"--model.attention_entropy_weight={row['entropy']}")
+        args.append(f"--model.attention_entropy_penalty={row['entropy']}")
     if row["initial_state"] != "mean":
         args.append(f"--model.initial_state={row['initial_state']}")
     if row["captions"] == "grouped":

@@ -84,6 +84,7 @@ class AttentionDecoder(nn.Module):
         self.L_z = nn.Linear(encoder_dim, embed_dim)
         self.L_o = nn.Linear(embed_dim, vocab_size)
         self.dropout = nn.Dropout(dropout)
+        self.compiled = False  # whether `compile_search` compiled it
 
     # The position embedding p is added to the annotations: a'_i = a_i + p_i. Everything downstream is linear in a'
     # (the keys are an affine map of it, the context and the mean are weighted sums), so p is added to each of them
@@ -177,8 +178,8 @@ class AttentionDecoder(nn.Module):
         - with `lengths`, the shrinking batch (the CPU's: fewest FLOPs, 1.18x faster there, docs/benchmarks.md). The
           batch is sorted by length and each step runs only the captions still going; padded steps compute nothing
           and their outputs are zero.
-        - without (the GPU's, `ShowAttendTell.compile_step`), fixed shapes: every caption runs all T-1 steps, in the
-          batch's order; padded steps' alphas and locations are zeroed, their logits left as computed (the loss
+        - without (the GPU's, `ShowAttendTell.compile_training_step`), fixed shapes: every caption runs all T-1 steps,
+          in the batch's order; padded steps' alphas and locations are zeroed, their logits left as computed (the loss
           ignores them). Nothing depends on the data but the values: no host sync, one shape per (B,T), so the step
           can be compiled whole and captured as a CUDA graph. The LSTM fed a padding word after a caption's end
           changes no earlier step; the real words are `captions[:, 1:] != pad`.
@@ -239,7 +240,7 @@ class AttentionDecoder(nn.Module):
         inverse = order.argsort()
         return tuple(x.transpose(0, 1)[inverse] for x in outputs)
 
-    def compile_steps(self, **options) -> AttentionDecoder:
+    def compile_search(self, **options) -> AttentionDecoder:
         """Compile the searches' work at fixed shapes with `torch.compile(**options)`: `step`, in place, and through
         `compiled_function` each sync-free search's run of words between two reads of whether every caption has ended
         (`captioner.models.decoding`: the steps, the choices of words and, in beam search, the beams' reordering, for
@@ -255,22 +256,18 @@ class AttentionDecoder(nn.Module):
         batch's shapes change with the data, and would compile at every new shape. Not in the paper, and off by
         default: `Captioner.load(..., compile_decoder=True)` turns it on for captioning (docs/benchmarks.md). On a
         CPU, Inductor needs a C++ compiler. Returns the decoder; calling it again does nothing."""
-        if not self.compiled:  # an instance attribute hides the method
+        if not self.compiled:
             self._compile_options = {"dynamic": False} | options
             self._compiled_functions: dict = {}
-            self.step = compile_function(self.step, **self._compile_options)
+            self.step = compile_function(self.step, **self._compile_options)  # an instance attribute hides the method
+            self.compiled = True
         return self
 
     def compiled_function(self, function):
-        """`function` compiled with `compile_steps`'s options (once per decoder and function), or `function` itself
+        """`function` compiled with `compile_search`'s options (once per decoder and function), or `function` itself
         when this decoder is not compiled."""
         if not self.compiled:
             return function
         if function not in self._compiled_functions:
             self._compiled_functions[function] = compile_function(function, **self._compile_options)
         return self._compiled_functions[function]
-
-    @property
-    def compiled(self) -> bool:
-        """Whether `compile_steps` compiled this decoder's step."""
-        return "step" in self.__dict__

@@ -34,18 +34,18 @@ def check_interval(annotations: torch.Tensor, check_every: int | None, decoder: 
         if check_every < 1:
             raise ConfigError(f"check_every must be >= 1, got {check_every}")
         return check_every
-    if annotations.device.type != "cpu" or getattr(decoder, "compiled", False):
+    if annotations.device.type != "cpu" or decoder.compiled:
         return CHECK_EVERY
     return 1
 
 
 def sync_free_default(annotations: torch.Tensor, sync_free: bool | None, decoder: AttentionDecoder) -> bool:
     """`sync_free` as asked, or by default on CUDA, where a device-to-host copy per word stalls the launch queue, and
-    with a compiled decoder, whose step runs at fixed shapes (`AttentionDecoder.compile_steps`). On a CPU there is
+    with a compiled decoder, whose step runs at fixed shapes (`AttentionDecoder.compile_search`). On a CPU there is
     no queue to stall, and the shrinking batch saves work."""
     if sync_free is not None:
         return sync_free
-    return annotations.device.type == "cuda" or getattr(decoder, "compiled", False)
+    return annotations.device.type == "cuda" or decoder.compiled
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Generation:
 def _words(decoder: AttentionDecoder, function):
     """A sync-free search's run of words between two reads (`_greedy_words`, `_beam_words`): compiled, one graph per
     shape, for a compiled decoder (`AttentionDecoder.compiled_function`); else `function` itself."""
-    return decoder.compiled_function(function) if getattr(decoder, "compiled", False) else function
+    return decoder.compiled_function(function) if decoder.compiled else function
 
 
 def greedy_search(
@@ -238,8 +238,8 @@ def beam_search(
     identity = torch.arange(B * K, device=device)
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
     # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
-    carry = finished_extension(K, decoder.vocab_size, pad_index, device)
-    words, fixed = _words(decoder, _beam_words), (annotations, keys, carry, never)
+    finished_log_probs = finished_extension(K, decoder.vocab_size, pad_index, device)
+    words, fixed = _words(decoder, _beam_words), (annotations, keys, finished_log_probs, never)
     t = 0
     while t < max_len:
         A, G = scores.shape
@@ -260,7 +260,7 @@ def beam_search(
                 h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
             log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
             if live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
-                log_probs = carry.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
+                log_probs = finished_log_probs.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
             scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
             was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
             h, c = h[parents], c[parents]
@@ -298,7 +298,7 @@ def beam_search(
             final_finished[rows[done_rows]] = True
             keep, keep_rows = ~done, ~done_rows
             alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
-            fixed = (annotations, keys, carry, never)
+            fixed = (annotations, keys, finished_log_probs, never)
             h, c, tokens, finished, lengths = (x[keep_rows] for x in (h, c, tokens, finished, lengths))
             rows = rows[keep_rows]
     final_scores[alive] = scores
@@ -325,10 +325,10 @@ def _beam_word(
     they extend, and the attention (A*K,P) that chose each word (zero where the hypothesis had finished). Fixed
     shapes, no host read: a compiled decoder runs it as one graph (`AttentionDecoder.compiled_function`)."""
     tokens, h, c, scores, lengths, finished = state
-    annotations, keys, carry, never = fixed
+    annotations, keys, finished_log_probs, never = fixed
     logits, (h, c), alpha = type(decoder).step(decoder, tokens, (h, c), annotations, keys)  # the uncompiled step
     log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (A*G,V)
-    log_probs = torch.where(finished.unsqueeze(1), carry, log_probs)
+    log_probs = torch.where(finished.unsqueeze(1), finished_log_probs, log_probs)
     scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
     was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end)
     alpha = alpha.float()[parents].masked_fill(was_finished.unsqueeze(1), 0.0)
@@ -361,9 +361,9 @@ def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> 
     where the vocabulary's size is first known, so where a beam wider than it is refused."""
     if K > V:
         raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
-    carry = torch.full((V,), float("-inf"), device=device)
-    carry[pad_index] = 0.0
-    return carry
+    finished_log_probs = torch.full((V,), float("-inf"), device=device)
+    finished_log_probs[pad_index] = 0.0
+    return finished_log_probs
 
 
 def _best_extensions(

@@ -76,7 +76,7 @@ def caption_loss(
     alpha_c: float = 1.0,
     pad_index: int = 0,
     sync_free: bool = False,
-    attention_entropy_weight: float = 0.0,
+    attention_entropy_penalty: float = 0.0,
 ) -> Loss:
     """The paper's objective (eq. 14), averaged over the batch:
 
@@ -87,7 +87,7 @@ def caption_loss(
         targets: (B,T) word ids, `pad_index` after each caption's <end>.
         alphas: (B,T,P) attention weights.
         alpha_c: lambda, the weight of the doubly stochastic term.
-        attention_entropy_weight: w, the weight of a penalty on each word's attention entropy (normalised by the
+        attention_entropy_penalty: w, the weight of a penalty on each word's attention entropy (normalised by the
             uniform's, log P; summed over the caption's words, as the log-likelihood is). Not in the paper, which has
             no term for how peaked a word's attention is: 0 leaves its objective.
         sync_free: the cross-entropy of every position, padding ignored, rather than of the real words gathered first
@@ -109,8 +109,8 @@ def caption_loss(
     entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(-1) / (math.log(P) if P > 1 else 1.0)  # (B,T)
     entropy = (entropy * mask).sum()  # over real steps
     loss = nll / B + alpha_c * doubly_stochastic
-    if attention_entropy_weight:
-        loss = loss + attention_entropy_weight * entropy / B
+    if attention_entropy_penalty:
+        loss = loss + attention_entropy_penalty * entropy / B
     return Loss(loss, nll / mask.sum(), doubly_stochastic, entropy.detach() / mask.sum())
 
 
@@ -121,7 +121,7 @@ def hard_attention_terms(
     mask: torch.Tensor,
     baseline: torch.Tensor | float,
     reinforce_weight: float,
-    entropy_weight: float,
+    reinforce_entropy_weight: float,
 ) -> torch.Tensor:
     """What hard attention adds to the loss (§4.1, eq. 12), averaged over the batch like the log-likelihood:
 
@@ -140,7 +140,9 @@ def hard_attention_terms(
     log_p_s = torch.log(alphas.gather(-1, locations.unsqueeze(-1)).squeeze(-1).clamp_min(1e-12))  # (B,T)
     entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(-1)  # (B,T): H of each step's Multinoulli(alpha_t)
     advantage = (log_likelihood - baseline).detach()  # (B,)
-    per_caption = reinforce_weight * advantage * (log_p_s * mask).sum(1) + entropy_weight * (entropy * mask).sum(1)
+    per_caption = reinforce_weight * advantage * (log_p_s * mask).sum(1) + reinforce_entropy_weight * (
+        entropy * mask
+    ).sum(1)
     return -per_caption.mean()
 
 
@@ -155,7 +157,7 @@ class ShowAttendTell(nn.Module):
         image_size: input side in pixels (None: the backbone's default).
         feature_stride: 32 (the backbone's last feature map) or 16 (a 14x14 grid at 224 pixels), see `Encoder`.
         alpha_c: lambda, the weight of the doubly stochastic attention term in the loss (the paper uses 1).
-        attention_entropy_weight: the weight of a penalty on each word's attention entropy (`caption_loss`). Not in
+        attention_entropy_penalty: the weight of a penalty on each word's attention entropy (`caption_loss`). Not in
             the paper: 0 (the default) leaves its loss as it is.
         attention_mode: "soft" (deterministic, §4.2) or "hard" (stochastic, §4.1): in training each word attends to
             one location s_t ~ Multinoulli(alpha_t), learnt with REINFORCE (`hard_attention_terms`). Captioning (and
@@ -163,8 +165,9 @@ class ShowAttendTell(nn.Module):
             with sampling=False): hard and soft models caption the same way.
         reinforce_weight: lambda_r of hard attention. The paper gives no value; its code's 1/10, on a cost averaged
             over time steps and summed over a batch of 16, is about 0.1 on the summed log-likelihood used here.
-        entropy_weight: lambda_e of hard attention, the weight of the entropy H[s] of each word's Multinoulli (the
-            paper's code: 0.002, which it sums over its batch where this averages).
+        reinforce_entropy_weight: lambda_e of hard attention, the weight of the entropy H[s] of each word's Multinoulli,
+            which it rewards (the paper's code: 0.002, which it sums over its batch where this averages). Not
+            `attention_entropy_penalty`, which penalises soft attention's entropy.
         expected_context_p: hard attention, the probability that a training batch uses the expected context instead
             of sampled locations (the paper's variance reduction: 0.5).
         pad_index, start_index, end_index: the special token ids (see `Vocabulary`).
@@ -180,10 +183,10 @@ class ShowAttendTell(nn.Module):
         image_size: int | None = None,
         feature_stride: Literal[32, 16] = 32,
         alpha_c: float = 1.0,
-        attention_entropy_weight: float = 0.0,
+        attention_entropy_penalty: float = 0.0,
         attention_mode: Literal["soft", "hard"] = "soft",
         reinforce_weight: float = 0.1,
-        entropy_weight: float = 0.002,
+        reinforce_entropy_weight: float = 0.002,
         expected_context_p: float = 0.5,
         pad_index: int = 0,
         start_index: int = 1,
@@ -193,8 +196,8 @@ class ShowAttendTell(nn.Module):
         super().__init__()
         if alpha_c < 0:
             raise ConfigError(f"alpha_c (lambda) must be >= 0, got {alpha_c}")
-        if attention_entropy_weight < 0:
-            raise ConfigError(f"attention_entropy_weight must be >= 0, got {attention_entropy_weight}")
+        if attention_entropy_penalty < 0:
+            raise ConfigError(f"attention_entropy_penalty must be >= 0, got {attention_entropy_penalty}")
         if attention_mode not in ("soft", "hard"):
             raise ConfigError(f"attention_mode must be 'soft' or 'hard', got {attention_mode!r}")
         if not 0 <= expected_context_p <= 1:
@@ -203,13 +206,13 @@ class ShowAttendTell(nn.Module):
         self.decoder = AttentionDecoder(
             vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
         )
-        self.alpha_c, self.attention_entropy_weight = alpha_c, attention_entropy_weight
+        self.alpha_c, self.attention_entropy_penalty = alpha_c, attention_entropy_penalty
         self.attention_mode, self.expected_context_p = attention_mode, expected_context_p
-        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
+        self.reinforce_weight, self.reinforce_entropy_weight = reinforce_weight, reinforce_entropy_weight
         if attention_mode == "hard":  # b, the running average of log p(y|s,a): saved in checkpoints
             self.register_buffer("reward_baseline", torch.zeros(()))
         self.pad_index, self.start_index, self.end_index = pad_index, start_index, end_index
-        self.fixed_shape = False  # the shrinking batch (the CPU's path); see `forward` and `compile_step`
+        self.fixed_shape = False  # the shrinking batch (the CPU's path); see `forward` and `compile_training_step`
 
     def annotate(self, images: torch.Tensor | None = None, annotations: torch.Tensor | None = None) -> torch.Tensor:
         """Annotations (B,P,E): given (from the feature cache, say), or encoded from images (B,3,H,W)."""
@@ -230,7 +233,7 @@ class ShowAttendTell(nn.Module):
         image is encoded once, and (with `fixed_shape`) its keys projected once and attended by its k captions.
 
         Runs the decoder's shrinking batch, or with `fixed_shape` its fixed shapes (`AttentionDecoder.forward`) on
-        captions padded to `bucket_steps`, compiled when `compile_step` was called. Both give the same loss.
+        captions padded to `bucket_steps`, compiled when `compile_training_step` was called. Both give the same loss.
         """
         annotations = self.annotate(images, annotations)
         hard_training = self.training and self.attention_mode == "hard"
@@ -270,7 +273,7 @@ class ShowAttendTell(nn.Module):
             logits, alphas, *drawn = self.decoder(annotations, captions, lengths, sample, locations)
         targets = captions[:, 1 : 1 + logits.size(1)]  # (B,T-1)
         loss = caption_loss(
-            logits, targets, alphas, self.alpha_c, self.pad_index, self.fixed_shape, self.attention_entropy_weight
+            logits, targets, alphas, self.alpha_c, self.pad_index, self.fixed_shape, self.attention_entropy_penalty
         )
         if not sample:
             return loss, None
@@ -279,12 +282,12 @@ class ShowAttendTell(nn.Module):
         log_likelihood = -per_word.sum(1)  # (B,) log p(y|s,a), real words only
         baseline = self.reward_baseline if baseline is None else baseline
         extra = hard_attention_terms(
-            log_likelihood, alphas, drawn[0], mask, baseline, self.reinforce_weight, self.entropy_weight
+            log_likelihood, alphas, drawn[0], mask, baseline, self.reinforce_weight, self.reinforce_entropy_weight
         )
         # A new Loss rather than loss._replace, which Dynamo (torch 2.11) cannot trace
         return Loss(loss.loss + extra, *loss[1:]), log_likelihood.detach()
 
-    def compile_step(self, **options) -> ShowAttendTell:
+    def compile_training_step(self, **options) -> ShowAttendTell:
         """Train with the fixed-shape step compiled by `torch.compile(**options)` (the `compile` option of
         `CaptioningModule`: on CUDA, mode="reduce-overhead", which captures it as CUDA graphs). The compiled function
         is the loss, forward and backward; the optimizer, clipping and precision stay the trainer's. A step length

@@ -187,7 +187,7 @@ def test_the_attention_entropy_penalty_matches_hand_computation():
     words = [1.0, 0.0, math.log(2) / math.log(3)]
     plain = caption_loss(logits, targets, alphas, alpha_c=1.0)
     for sync_free in (False, True):
-        penalised = caption_loss(logits, targets, alphas, 1.0, 0, sync_free, attention_entropy_weight=0.5)
+        penalised = caption_loss(logits, targets, alphas, 1.0, 0, sync_free, attention_entropy_penalty=0.5)
         assert penalised.attention_entropy.item() == pytest.approx(sum(words) / 3)
         assert plain.attention_entropy.item() == pytest.approx(sum(words) / 3)
         assert (penalised.loss - plain.loss).item() == pytest.approx(0.5 * sum(words) / 2, rel=1e-5)

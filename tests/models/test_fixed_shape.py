@@ -98,7 +98,7 @@ def test_the_fixed_shape_step_compiles_as_one_graph(mode, backend):
     torch.compiler.reset()
     m = small_model(attention_mode=mode).train()
     a, captions, lengths = caption_batch(m, lengths=(5, 3, 6, 2))  # 8 steps: the loop is unrolled, so short is quick
-    m.compile_step(fullgraph=True, dynamic=False, backend=backend)
+    m.compile_training_step(fullgraph=True, dynamic=False, backend=backend)
     padded = pad_to_bucket(captions, 0)
     sample = mode == "hard"
     m.zero_grad()
@@ -126,7 +126,7 @@ def test_a_host_sync_in_the_step_fails_the_one_graph_check(monkeypatch):
     torch.compiler.reset()
     m = small_model().train()
     a, captions, lengths = caption_batch(m)
-    m.compile_step(fullgraph=True, dynamic=False, backend="aot_eager")
+    m.compile_training_step(fullgraph=True, dynamic=False, backend="aot_eager")
     m.fixed_shape = True
     forward = m.decoder.forward
     monkeypatch.setattr(m.decoder, "forward", lambda a, c, _, s, l: forward(a, c, (c != 0).sum(1), s, l))

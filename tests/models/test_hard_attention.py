@@ -68,7 +68,7 @@ def test_the_estimator_is_unbiased_for_the_exact_gradient():
     log_likelihood = w[locations[:, 0]]  # (N,)
     mask = torch.ones(n, 1, dtype=torch.bool)
     loss = -log_likelihood.mean() + hard_attention_terms(
-        log_likelihood, alphas, locations, mask, baseline, reinforce_weight=1.0, entropy_weight=lambda_e
+        log_likelihood, alphas, locations, mask, baseline, reinforce_weight=1.0, reinforce_entropy_weight=lambda_e
     )
     estimate = torch.autograd.grad(-loss, [theta, w])
 
@@ -206,7 +206,7 @@ def test_a_hard_model_trains_through_the_cli_and_loads_for_captioning(tmp_path):
     from tests.conftest import tiny_fit_args
     from tests.images import photo
 
-    main(["fit", *tiny_fit_args(tmp_path, "--model.attention_mode=hard", "--model.entropy_weight=0.01")])
+    main(["fit", *tiny_fit_args(tmp_path, "--model.attention_mode=hard", "--model.reinforce_entropy_weight=0.01")])
     checkpoint = tmp_path / "checkpoints" / "best.ckpt"
     state = torch.load(checkpoint, weights_only=True)
     assert state["hyper_parameters"]["attention_mode"] == "hard"
