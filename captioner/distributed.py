@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 
 from captioner.errors import CaptionerError
 
@@ -45,6 +46,34 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class RandomStates(Callback):
+    """Every process's random generators (Python's, which draws captions; torch's and CUDA's, which shuffle and drop
+    out), kept in each checkpoint and put back when a fit resumes from it: a run resumed from an epoch's end shuffles,
+    draws and drops out as the first would have, and ends with the same weights (tests/test_resume.py). The states go
+    back at the fit's start (after Lightning's sanity check, which runs on a copy of them), not when a checkpoint is
+    loaded for testing or captioning. On by default: `CaptioningModule.configure_callbacks` gives it to any Trainer
+    of the module. A checkpoint written before it was a callback kept the states beside the module's ("rng_states"):
+    those are read too."""
+
+    def __init__(self):
+        self.saved: list[dict] | None = None  # from the checkpoint being resumed: one per process of its run
+
+    def state_dict(self) -> dict:
+        return {"states": gather([rng_states()])}  # every process takes part; rank 0 writes the file
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.saved = state_dict["states"]
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.saved is None and "rng_states" in checkpoint:  # a checkpoint written before this callback
+            self.saved = checkpoint["rng_states"]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.saved is not None:
+            set_rng_states(self.saved[trainer.global_rank % len(self.saved)])
+            self.saved = None
 
 
 def zero_loss(module: torch.nn.Module) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 
@@ -20,7 +21,7 @@ from captioner.checkpoints import (
     without_encoder,
 )
 from captioner.data.vocab import Vocabulary
-from captioner.distributed import FiniteLosses, distributed, gather, rng_states, set_rng_states, zero_loss
+from captioner.distributed import FiniteLosses, RandomStates, distributed, gather, zero_loss
 from captioner.errors import ConfigError, check_choice
 from captioner.metrics import Decoded, decode_batch, split_scores
 from captioner.models.decoding import Generation
@@ -128,7 +129,6 @@ class CaptioningModule(L.LightningModule):
         check_options(objective, scst_samples, scst_baseline, self.model.attention_mode)
         self.model.encoder.fine_tune(fine_tune_blocks)
         self._decoded: list[Decoded] = []  # this validation's or test's captions so far
-        self._resumed_rng_states: dict | None = None
         self.objective: TeacherForcing | SelfCritical = TEACHER_FORCING  # SCST's is made when a fit starts
         self.finite_losses = FiniteLosses(self.where)  # a method, not a lambda: the module stays picklable
 
@@ -147,22 +147,22 @@ class CaptioningModule(L.LightningModule):
             checkpoint_path.seek(0)
         return super().load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
 
+    def configure_callbacks(self) -> list[Callback]:
+        """What every Trainer of this module gets, whether the CLI made it or a script did: the random generators'
+        states in each checkpoint, for an exact resume (`RandomStates`)."""
+        return [RandomStates()]
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep every rank's random generators, so that a resumed run shuffles and drops out as the first would have.
-        Leave out the encoder's weights when they are its pretrained source's, which loading rebuilds bit for bit
+        """Leave out the encoder's weights when they are its pretrained source's, which loading rebuilds bit for bit
         (`captioner.checkpoints`): they would ride in every checkpoint unchanged. First, the last step's loss is
         checked: a checkpoint never holds the weights of a step whose loss was not finite."""
         self.finite_losses.flush()
-        checkpoint["rng_states"] = gather([rng_states()])
         weights, fingerprint = without_encoder(checkpoint["state_dict"], self.model.encoder, prefix="model.")
         if fingerprint is not None:
             checkpoint["state_dict"] = weights
             fingerprint.write(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if "rng_states" in checkpoint:  # put back in on_fit_start: only a resumed fit must continue the sequence
-            states = checkpoint["rng_states"]
-            self._resumed_rng_states = states[self.global_rank % len(states)]
         weights, fingerprint = checkpoint["state_dict"], Fingerprint.read(checkpoint)
         trainer = self._attached_trainer()
         name = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else CHECKPOINT
@@ -187,11 +187,6 @@ class CaptioningModule(L.LightningModule):
             if note:
                 rank_zero_info(note)
             self.model.compile_training_step(**options)
-        # Resuming from an epoch's end: what the first run did next, draw the next epoch's shuffling order, is what
-        # this run does next (the sanity check runs on a copy of the generators' states: Lightning's isolate_rng).
-        if self._resumed_rng_states is not None:
-            set_rng_states(self._resumed_rng_states)
-            self._resumed_rng_states = None
         if self.hparams.objective == "scst":  # document frequencies and references of the whole training split, once
             datamodule = self.trainer.datamodule
             if datamodule is None or "train" not in getattr(datamodule, "datasets", {}):

@@ -113,3 +113,32 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one_whole(copy
     assert state["global_step"] == 4
     resumed = run_lightning_cli(["fit", *tiny_fit_args(run, "--trainer.max_epochs=2", "--ckpt_path=last")])
     assert resumed.trainer.global_step == 8  # `--ckpt_path last` found last.ckpt, not the torn file
+
+
+def test_a_checkpoint_written_before_the_generators_states_were_a_callback_resumes_as_one_written_now(
+    copy_of_tiny_run, tmp_path
+):
+    """The random generators' states are `RandomStates`'s, in the checkpoint's callbacks; a checkpoint written when
+    the module kept them ("rng_states", beside its own) resumes to the same weights; one without them to others (the
+    states decide the next epoch's shuffling and dropout)."""
+    import shutil
+
+    def resumed_from(state: dict, name: str) -> dict[str, torch.Tensor]:
+        run = tmp_path / name
+        shutil.copytree(copy_of_tiny_run, run)
+        torch.save(state, run / "checkpoints" / "last.ckpt")
+        cli = run_lightning_cli(["fit", *tiny_fit_args(run, "--trainer.max_epochs=2", "--ckpt_path=last")])
+        assert cli.trainer.global_step == 2 * STEPS_PER_EPOCH
+        return {k: v.clone() for k, v in cli.trainer.lightning_module.state_dict().items()}
+
+    now = torch.load(copy_of_tiny_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert "RandomStates" in now["callbacks"] and "rng_states" not in now
+    before = {**now, "callbacks": {k: v for k, v in now["callbacks"].items() if k != "RandomStates"}}
+    before["rng_states"] = now["callbacks"]["RandomStates"]["states"]
+    without = {**before}
+    del without["rng_states"]
+    want = resumed_from(now, "now")
+    got = resumed_from(before, "before")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    other = resumed_from(without, "without")
+    assert any(not torch.equal(other[k], want[k]) for k in want)
