@@ -86,7 +86,7 @@ class Captioner:
         checkpoint (.ckpt)."""
         path = BUNDLED.get(str(checkpoint), Path(checkpoint))
         if str(checkpoint) in BUNDLED and not path.exists():
-            raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'A ready model'")
+            raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'Caption'")
         file = model_file(path)
         model = build_model(file, str(path))
         return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)

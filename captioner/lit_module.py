@@ -81,7 +81,7 @@ class CaptioningModule(L.LightningModule):
             (forward and backward) is compiled, with CUDA graphs on CUDA unless gradients are accumulated
             (`compile_options`). Off: the shrinking batch, fastest on a CPU. Both compute the same loss and gradients
             for the same random draws, but draw dropout's masks (and hard attention's locations) differently: their
-            runs agree to rounding only with dropout 0 and soft attention (README, "Speed").
+            runs agree to rounding only with dropout 0 and soft attention (docs/benchmarks.md, "Speed on a GPU").
         compile_backend: torch.compile's backend for the compiled step (None: its default, Inductor, which needs a C++
             compiler on a CPU). "aot_eager" traces forward and backward without generating code: a quick check that
             a model compiles.

@@ -226,7 +226,7 @@ def test_the_step_compiles_with_cuda_graphs_on_cuda_unless_gradients_are_accumul
 def test_a_compiled_fit_logs_what_the_plain_fit_logs(tmp_path, accumulate):
     """The compiled step, really compiled (Dynamo's graphs, no code generation), in Lightning's loop as on a GPU,
     against the shrinking batch: the same losses. With dropout 0 and soft attention the two forms draw nothing at
-    random (README, "Speed")."""
+    random (docs/benchmarks.md, "Speed on a GPU and on a CPU")."""
     from captioner.cli import run_lightning_cli
     from tests.conftest import tiny_fit_args
 

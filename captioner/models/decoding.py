@@ -13,7 +13,7 @@ from captioner.models.decoder import AttentionDecoder
 # Beam search ranks hypotheses by log-probability / length**LENGTH_PENALTY. Ranked by the raw sum (0), every word
 # costs probability, so short captions win: on a weak model, beam search ends after two words where greedy search
 # goes on. Per word (1, as fairseq and Hugging Face default to) it does not; on the bundled model it also scores
-# higher (README, "A ready model").
+# higher (docs/attention.md, "The bundled model": BLEU-4 0.956 against 0.945 ranked by the raw sum).
 LENGTH_PENALTY = 1.0
 
 # Sync-free decoding (the GPU's: see `greedy_search`) asks the device whether every caption has ended once every this
