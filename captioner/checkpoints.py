@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from captioner.errors import CaptionerError, WeightsUnavailableError
+from captioner.errors import CaptionerError, ConfigError, WeightsUnavailableError
 from captioner.files import replace_atomically
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import Encoder
@@ -66,8 +66,12 @@ class Fingerprint:
     def write(self, state: dict) -> None:
         state[ANNOTATION_FINGERPRINT if self.annotations else FINGERPRINT] = self.value
 
-    def matches(self, encoder: Encoder) -> bool:
-        return self.value == (encoder.annotation_fingerprint() if self.annotations else encoder.fingerprint())
+    def matches(self, encoder: Encoder, written_with: Encoder | None = None) -> bool:
+        """Whether `encoder`'s weights are the ones recorded. An older record (`annotations`) also covers the
+        preprocessing and grid: compared under those of `written_with`, an encoder of the file's own options."""
+        if not self.annotations:
+            return self.value == encoder.fingerprint()
+        return self.value == encoder.annotation_fingerprint(written_with)
 
 
 def encoder_left_out(encoder: Encoder) -> str | None:
@@ -86,17 +90,38 @@ def without_encoder(weights: dict, encoder: Encoder, prefix: str = "") -> tuple[
     return {k: v for k, v in weights.items() if not k.startswith(prefix + ENCODER)}, Fingerprint(fingerprint)
 
 
-def with_encoder(weights: dict, encoder: Encoder, fingerprint: Fingerprint | None, name: str, prefix: str = "") -> dict:
+def with_encoder(
+    weights: dict,
+    encoder: Encoder,
+    fingerprint: Fingerprint | None,
+    name: str,
+    prefix: str = "",
+    hparams: dict | None = None,
+) -> dict:
     """`weights` completed with `encoder`'s own where the file left its encoder out, after checking that they are the
-    ones it left out (`fingerprint`; a file without one predates it and is taken as it is)."""
+    ones it left out (`fingerprint`; a file without one predates it and is taken as it is). An older file's record
+    covers the weights with its preprocessing and grid: where the model asks for another image size or grid, it is
+    checked under the file's own (`hparams`), so that only the weights decide, as for a newer file."""
     if any(k.startswith(prefix + ENCODER) for k in weights):
         return weights
     if fingerprint is not None and not fingerprint.matches(encoder):
-        raise CaptionerError(
-            f"{name}: it left out its {encoder.name} weights, to be rebuilt from their pretrained source, and the "
-            f"{encoder.name} weights here are not those it was trained with: install the same"
-        )
+        written_with = _options_encoder(hparams) if fingerprint.annotations and hparams is not None else None
+        if written_with is None or not fingerprint.matches(encoder, written_with):
+            raise CaptionerError(
+                f"{name}: it left out its {encoder.name} weights, to be rebuilt from their pretrained source, and the "
+                f"{encoder.name} weights here are not those it was trained with: install the same"
+            )
     return {**{prefix + ENCODER + k: v for k, v in encoder.state_dict().items()}, **weights}
+
+
+def _options_encoder(hparams: dict) -> Encoder | None:
+    """An untrained encoder of a file's options (its preprocessing and grid); None where they do not make one."""
+    options = model_options(renamed(hparams))
+    names = inspect.signature(Encoder).parameters.keys() - {"pretrained"}
+    try:
+        return Encoder(**{k: v for k, v in options.items() if k in names}, pretrained=False)
+    except (ConfigError, TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -181,7 +206,7 @@ def load_initial_weights(model: ShowAttendTell, path: str | Path, vocab: list[st
             f"{name}: its vocabulary ({len(file.vocab)} words) is not the data's ({len(vocab)} words; they part at id "
             f"{first}): start from a checkpoint trained on the same data"
         )
-    weights = with_encoder(file.weights, model.encoder, file.fingerprint, name)
+    weights = with_encoder(file.weights, model.encoder, file.fingerprint, name, hparams=file.hparams)
     # Hard attention's running baseline b is training state, not a weight: a hard-attention run may start from a
     # soft-attention file (b starts at 0), and a soft run from a hard one (b is left behind).
     weights = {k: v for k, v in weights.items() if k != BASELINE}

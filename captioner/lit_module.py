@@ -166,7 +166,8 @@ class CaptioningModule(L.LightningModule):
         weights, fingerprint = checkpoint["state_dict"], Fingerprint.read(checkpoint)
         trainer = self._attached_trainer()
         name = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else CHECKPOINT
-        checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.")
+        hparams = checkpoint.get("hyper_parameters")
+        checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.", hparams)
 
     def setup(self, stage: str) -> None:
         check_precision(self.trainer.precision)  # before Lightning casts the weights

@@ -120,7 +120,8 @@ def test_a_file_that_left_out_its_encoder_starts_a_model_of_another_image_size_o
 
 def test_a_file_written_before_the_weights_record_is_checked_as_it_was_written(tiny_checkpoint, tmp_path, lite0):
     """Older files recorded the encoder's annotation fingerprint (weights, preprocessing and grid): they load as
-    before, and one whose weights are not those here is still a one-line error."""
+    before, also into a model of another image size or grid, and one whose weights are not those here is still a
+    one-line error."""
     state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
     del state[FINGERPRINT]
     for value, name in ((lite0.annotation_fingerprint(), "old.ckpt"), ("0" * 64, "other.ckpt")):
@@ -132,6 +133,20 @@ def test_a_file_written_before_the_weights_record_is_checked_as_it_was_written(t
     assert not exported.has_encoder and exported.fingerprint == Fingerprint(lite0.annotation_fingerprint(), True)
     with pytest.raises(CaptionerError, match=r"other\.ckpt: it left out its efficientnet_lite0 weights"):
         Captioner.load(tmp_path / "other.ckpt")
+    # Started at another image size, or another grid, the same weights are the weights it left out: its record is
+    # checked under its own preprocessing and grid (before, refused as "not those it was trained with")
+    from captioner.models.show_attend_tell import ShowAttendTell
+
+    file = model_file(tmp_path / "old.ckpt")
+    sizes = {k: file.hparams[k] for k in ("embed_dim", "decoder_dim", "attention_dim")}
+    for options in ({"image_size": 256}, {"grid_size": 14}):
+        model = ShowAttendTell(len(file.vocab), **sizes, **options)
+        load_initial_weights(model, tmp_path / "old.ckpt", file.vocab)
+        assert all(torch.equal(v, lite0.state_dict()[k]) for k, v in model.encoder.state_dict().items())
+    with pytest.raises(CaptionerError, match=r"other\.ckpt: it left out its efficientnet_lite0 weights"):
+        load_initial_weights(
+            ShowAttendTell(len(file.vocab), **sizes, image_size=256), tmp_path / "other.ckpt", file.vocab
+        )
 
 
 def test_the_weights_fingerprint_takes_any_dtype_and_ignores_the_image_size(lite0):

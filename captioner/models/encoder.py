@@ -294,10 +294,12 @@ class Encoder(nn.Module):
             self._fingerprint = (storage, _digest(self.name, weights))
         return self._fingerprint[1]
 
-    def annotation_fingerprint(self) -> str:
+    def annotation_fingerprint(self, like: Encoder | None = None) -> str:
         """A hash of what the annotations of an image depend on: the weights, the preprocessing and the grid. The
-        feature cache's key (and what model files recorded as their encoder's identity before `fingerprint`)."""
-        return _digest(f"{self.name}|{self.preprocessing}|{self.grid_hw}", self.state_dict())
+        feature cache's key (and what model files recorded as their encoder's identity before `fingerprint`). With
+        `like`, of these weights under `like`'s preprocessing and grid."""
+        like = self if like is None else like
+        return _digest(f"{self.name}|{like.preprocessing}|{like.grid_hw}", self.state_dict())
 
     @property
     def num_pixels(self) -> int:
