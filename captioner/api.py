@@ -17,16 +17,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from captioner.checkpoints import build_model, export, model_file
+from captioner.checkpoints import BUNDLED, build_model, export, model_file, resolve
 from captioner.data.images import ImageError, load_image, to_rgb
 from captioner.data.vocab import Vocabulary, detokenize
-from captioner.errors import CaptionerError
 from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
 
-ASSETS = Path(__file__).parent / "assets"
-BUNDLED = {"shapes": ASSETS / "shapes.pt"}
-__all__ = ["CaptionResult", "Captioner", "export"]
+__all__ = ["BUNDLED", "CaptionResult", "Captioner", "export"]
 
 
 @dataclass
@@ -84,9 +81,7 @@ class Captioner:
     ) -> Captioner:
         """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
         checkpoint (.ckpt)."""
-        path = BUNDLED.get(str(checkpoint), Path(checkpoint))
-        if str(checkpoint) in BUNDLED and not path.exists():
-            raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'Caption'")
+        path = resolve(checkpoint)
         file = model_file(path)
         model = build_model(file, str(path))
         return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)

@@ -31,6 +31,18 @@ FINGERPRINT = "encoder_weights"  # in a file that leaves out its encoder: the fi
 ANNOTATION_FINGERPRINT = "encoder_fingerprint"
 EXPORT_FORMAT = "captioner-model/1"
 ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
+ASSETS = Path(__file__).parent / "assets"
+BUNDLED = {"shapes": ASSETS / "shapes.pt"}  # the models that ship with the package, by name
+
+
+def resolve(checkpoint: str | Path) -> Path:
+    """A bundled model's name ("shapes") -> its file; any other path as it is."""
+    path = BUNDLED.get(str(checkpoint), Path(checkpoint))
+    if str(checkpoint) in BUNDLED and not path.exists():
+        raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'Caption'")
+    return path
+
+
 BASELINE = "reward_baseline"  # hard attention's running baseline b (a buffer)
 
 
@@ -232,13 +244,14 @@ def _source_encoder(file: ModelFile) -> Encoder | None:
 
 
 def export(checkpoint: str | Path, output: str | Path, include_encoder: bool = False) -> Path:
-    """Write a small self-contained model file (what `Captioner.load` reads) from a `captioner fit` checkpoint.
+    """Write a small self-contained model file (what `Captioner.load` reads) from a `captioner fit` checkpoint (or
+    another model file, or a bundled model's name).
 
     The encoder's weights are written as the checkpoint holds them: left out where it left them out (they are their
     pretrained source's, `encoder_left_out`: the file is then a few MB, and loading rebuilds them), or kept.
     `include_encoder` writes them in any case: rebuilt from their pretrained source, the only time it is built here.
     """
-    file = model_file(checkpoint)
+    file = model_file(resolve(checkpoint), str(checkpoint))
     weights, fingerprint = file.weights, file.fingerprint
     if include_encoder and not file.has_encoder:
         encoder = _source_encoder(file)

@@ -6,6 +6,7 @@ serve and demo.
     captioner caption photos/ --beam-size 3 --overlays overlays/
     captioner evaluate --config configs/coco_lite0.yaml --ckpt_path checkpoints/coco_lite0/best.ckpt
     captioner export --ckpt_path checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
+    captioner export --ckpt_path shapes --format onnx --output shapes_onnx/
     captioner serve --ckpt_path shapes --port 7860
 
 The checkpoint is `--ckpt_path` in every command, as LightningCLI spells it (`--checkpoint` still works where it
@@ -223,7 +224,9 @@ def caption(argv: list[str]) -> int:
     parser = _parser(caption)
     parser.add_argument("paths", nargs="+", help="image files, or folders searched recursively for images")
     _add_checkpoint(
-        parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
+        parser,
+        "a checkpoint of `captioner fit`, a model file or ONNX folder of `captioner export`, or a bundled model's name",
+        True,
     )
     _add_decoding(parser)
     parser.add_argument("--batch-size", type=int, default=16, help="images captioned at once")
@@ -244,7 +247,12 @@ def caption(argv: list[str]) -> int:
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    captioner = Captioner.load(_bundled_unless_given(args.checkpoint))
+    if args.checkpoint and Path(args.checkpoint).is_dir():  # a folder of `captioner export --format onnx`
+        from captioner.onnx import Captioner as OnnxCaptioner  # onnxruntime's: the same captions and attention
+
+        captioner = OnnxCaptioner(args.checkpoint)
+    else:
+        captioner = Captioner.load(_bundled_unless_given(args.checkpoint))
     paths, errors = find_images(args.paths)
     # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
     progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)
@@ -389,16 +397,39 @@ def evaluate(argv: list[str]) -> None:
 
 
 def export_model(argv: list[str]) -> None:
-    """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read)."""
+    """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read), or, with
+    --format onnx, a folder of ONNX graphs that `captioner.onnx.Captioner` runs without PyTorch."""
     parser = _parser(export_model)
-    _add_checkpoint(parser, "a checkpoint written by `captioner fit`")
-    parser.add_argument("--output", required=True, metavar="PATH", help="the model file to write")
+    _add_checkpoint(parser, "a checkpoint of `captioner fit`, a file of `captioner export`, or a bundled model's name")
+    parser.add_argument("--output", required=True, metavar="PATH", help="the model file (onnx: the folder) to write")
+    parser.add_argument(
+        "--format",
+        choices=("model", "onnx"),
+        default="model",
+        help="model: one file for torch; onnx: encoder, decoder start and step graphs and captioner.json",
+    )
     parser.add_argument(
         "--include-encoder",
         action="store_true",
-        help="keep the encoder's weights even when they are its pretrained source's (left out by default)",
+        help="keep the encoder's weights even when they are its pretrained source's (left out by default; an onnx "
+        "export always holds them)",
+    )
+    parser.add_argument(
+        "--int8",
+        choices=("step", "all"),
+        help="onnx: weights as int8 (ONNX Runtime's dynamic quantization): the decoder step's, or all (the encoder's "
+        "convolutions too: slower on CPUs, and most captions change; docs/benchmarks.md)",
     )
     args = parser.parse_args(argv)
+    if args.int8 and args.format != "onnx":
+        raise ConfigError("--int8 is for --format onnx")
+    if args.format == "onnx":
+        from captioner.onnx_export import export_onnx
+
+        folder = export_onnx(args.checkpoint, args.output, int8=args.int8)
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        print(f"wrote {folder}/ ({size / 2**20:.1f} MiB{f', int8: {args.int8}' if args.int8 else ''})")
+        return
     from captioner.checkpoints import export
 
     path = export(args.checkpoint, args.output, include_encoder=args.include_encoder)
@@ -448,7 +479,7 @@ COMMANDS = {
     "predict": "caption the test split to a JSON-lines file (LightningCLI)",
     "caption": "caption image files and folders, optionally writing per-word attention overlays",
     "evaluate": "score a checkpoint with the coco-caption metrics (BLEU, METEOR, ROUGE-L, CIDEr)",
-    "export": "write a small self-contained model file from a checkpoint",
+    "export": "write a small self-contained model file from a checkpoint, or ONNX graphs (--format onnx)",
     "serve": "a web page and JSON API that caption uploaded images and show each word's attention",
     "demo": "caption a few held-out shapes images and print val/bleu4 (what `make demo` runs)",
 }

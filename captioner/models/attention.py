@@ -41,12 +41,15 @@ class AdditiveAttention(nn.Module):
         return 2 * self.W(annotations)  # 2 W a_i: (B,P,A)
 
     def forward(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        B, P, A = keys.shape
+        _, P, A = keys.shape
         uh = 2 * self.U(h)  # 2 U h: (B,G,A)
         w, b = 2 * self.v.weight.squeeze(0), self.v.bias - self.v.weight.sum()  # (A,), (1,)
         # 2 W a + 2 U h is (B,G,P,A), the largest tensor of a step. Decoding builds it a few images at a time, so
-        # that each piece is used while it is in cache; training builds it whole, as autograd keeps it anyway.
-        n = B if torch.is_grad_enabled() else max(1, CHUNK // (uh.size(1) * P * A))
+        # that each piece is used while it is in cache; training builds it whole, as autograd keeps it anyway, and so
+        # does an exported graph (captioner.onnx_export), whose batch is a dynamic axis rather than the example's.
+        if torch.is_grad_enabled() or torch.compiler.is_exporting():
+            return (keys.unsqueeze(1) + uh.unsqueeze(2)).sigmoid_() @ w + b  # (B,G,P,A) -> (B,G,P)
+        n = max(1, CHUNK // (uh.size(1) * P * A))
         pieces = [
             (k.unsqueeze(1) + u.unsqueeze(2)).sigmoid_() @ w  # (n,G,P,A) -> (n,G,P)
             for k, u in zip(keys.split(n), uh.split(n), strict=True)

@@ -1,0 +1,76 @@
+"""The model's input from a photo without torch: the resize that torchvision's `v2.Resize(antialias=True)` does to a
+uint8 image on a CPU (the uncached path of `captioner caption`, `Captioner.caption` and training), in numpy.
+
+torchvision resizes uint8 images natively on CPUs with AVX2 or AVX512 (bilinear, and bicubic everywhere), with
+Pillow-SIMD's separable resampling: for each output pixel, the input pixels under the filter (a triangle for
+bilinear, Keys' cubic with a = -0.5 for bicubic), widened by the scale when it shrinks the image, their weights
+normalised, then held as 16-bit integers of a precision chosen so that the largest weight fits; one pass along the
+width, then one along the height, each rounded to uint8. This module does the same arithmetic in float64, exact for
+these integers: the same pixels, to the last bit, as torchvision on this project's machines (tests/test_onnx.py
+checks photos of several sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through
+floats instead, and may differ by a level here and there.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+
+def _bicubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+
+
+def _bilinear(x: np.ndarray) -> np.ndarray:
+    return np.maximum(1 - np.abs(x), 0.0)
+
+
+FILTERS = {"bicubic": (_bicubic, 2.0), "bilinear": (_bilinear, 1.0)}  # filter, support
+
+
+@lru_cache(maxsize=64)
+def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, int]:
+    """The (out_size, in_size) integer weights of one pass, and their precision (bits)."""
+    kernel, support = FILTERS[mode]
+    scale = in_size / out_size
+    widen = max(scale, 1.0)  # shrinking: the filter spans more input pixels
+    support *= widen
+    rows = []
+    for x in range(out_size):
+        center = (x + 0.5) * scale
+        first = max(int(center - support + 0.5), 0)
+        last = min(int(center + support + 0.5), in_size)
+        w = kernel((np.arange(first, last) - center + 0.5) / widen)
+        total = w.sum()
+        rows.append((first, w / total if total != 0 else w))
+    largest = max(float(np.max(w)) for _, w in rows)
+    precision = 0  # as many bits as keep the largest weight within 16-bit integers
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    matrix = np.zeros((out_size, in_size))
+    for x, (first, w) in enumerate(rows):
+        scaled = w * (1 << precision)
+        matrix[x, first : first + len(w)] = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
+    return matrix, precision
+
+
+def _pass(pixels: np.ndarray, matrix: np.ndarray, precision: int, axis: int) -> np.ndarray:
+    moved = np.moveaxis(pixels.astype(np.float64), axis, -1)
+    out = np.floor((moved @ matrix.T + (1 << (precision - 1))) / (1 << precision))
+    return np.moveaxis(np.clip(out, 0, 255), -1, axis).astype(np.uint8)
+
+
+def resize(pixels: np.ndarray, size: int, mode: str) -> np.ndarray:
+    """An image (H,W,3) uint8 -> (size,size,3) uint8, squashed to the square as the model's preprocessing does."""
+    if mode not in FILTERS:
+        raise ValueError(f"no resampling filter {mode!r} here; one of {', '.join(FILTERS)}")
+    height, width = pixels.shape[:2]
+    if width != size:
+        pixels = _pass(pixels, *weights(width, size, mode), axis=1)
+    if height != size:
+        pixels = _pass(pixels, *weights(height, size, mode), axis=0)
+    return pixels

@@ -1,0 +1,1 @@
+../../captioner/__init__.py

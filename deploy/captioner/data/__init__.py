@@ -1,0 +1,1 @@
+../../../captioner/data/__init__.py

@@ -1,0 +1,1 @@
+../../../captioner/data/images.py
