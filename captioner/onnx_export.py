@@ -204,24 +204,24 @@ def check(model: ShowAttendTell, folder: Path, name: str, atol: float = 1e-3) ->
         with torch.no_grad():
             if grid == P:
                 annotations = model.encoder(images)
-                want[f"encoder, {B}"] = [annotations]
-                got[f"encoder, {B}"] = sessions["encoder"].run(None, {"images": images.numpy()})
+                want["encoder", f"{B} images"] = [annotations]
+                got["encoder", f"{B} images"] = sessions["encoder"].run(None, {"images": images.numpy()})
             else:
                 annotations = torch.rand(B, P, model.encoder.out_dim, generator=generator)
-            want[f"start, {B}x{P}"] = [*StartGraph(model)(annotations)]
-            got[f"start, {B}x{P}"] = sessions["start"].run(None, {"annotations": annotations.numpy()})
-            h, c, keys = want[f"start, {B}x{P}"]
+            want["start", f"{B} images, {P} cells"] = [*StartGraph(model)(annotations)]
+            got["start", f"{B} images, {P} cells"] = sessions["start"].run(None, {"annotations": annotations.numpy()})
+            h, c, keys = want["start", f"{B} images, {P} cells"]
             for G in (1, 4):
                 tokens = torch.randint(0, model.decoder.vocab_size, (B, G), generator=generator)
                 inputs = (tokens, h[:, None].repeat(1, G, 1), c[:, None].repeat(1, G, 1) * 0.5, annotations, keys)
-                want[f"step, {B}x{P}x{G}"] = [*StepGraph(model)(*inputs)]
+                want["step", f"{B} images, {P} cells, {G} hypotheses"] = [*StepGraph(model)(*inputs)]
                 feed = {n: x.numpy() for n, x in zip(STEP_INPUTS, inputs, strict=True)}
-                got[f"step, {B}x{P}x{G}"] = sessions["step"].run(None, feed)
-    for graph, outputs in want.items():
-        for i, (w, g) in enumerate(zip(outputs, got[graph], strict=True)):
+                got["step", f"{B} images, {P} cells, {G} hypotheses"] = sessions["step"].run(None, feed)
+    for (graph, sizes), outputs in want.items():
+        for i, (w, g) in enumerate(zip(outputs, got[graph, sizes], strict=True)):
             scale = 1 + float(w.abs().max())
             if tuple(g.shape) != tuple(w.shape) or not torch.allclose(torch.from_numpy(g), w, atol=atol * scale):
-                raise CaptionerError(f"{name}: the exported {graph} graph's output {i} is not the model's")
+                raise CaptionerError(f"{name}: the exported {graph} graph's output {i} is not the model's ({sizes})")
 
 
 def quantize(folder: Path, graphs: tuple[str, ...]) -> None:

@@ -129,7 +129,7 @@ def beam_search(
         lengths = np.take_along_axis(lengths, parents, axis=1) + ~was_finished
         finished = was_finished | (tokens == end)
         h, c = (np.take_along_axis(x, parents[:, :, None], axis=1) for x in (h, c))
-        chosen = np.take_along_axis(alpha, parents[:, :, None], axis=1) * ~was_finished[:, :, None]  # (A,K,P)
+        chosen = np.take_along_axis(alpha, parents[:, :, None], axis=1)  # (A,K,P); read back up to each end only
 
         step_tokens = np.full((B, K), pad, dtype=np.int64)
         step_parents = np.broadcast_to(np.arange(K), (B, K)).copy()
@@ -155,7 +155,9 @@ def beam_search(
 
 
 def top_k(ranking: np.ndarray, k: int) -> np.ndarray:
-    """Each row's k largest entries' indices, largest first (ties: the lower index first)."""
+    """Each row's k largest entries' indices, largest first; of equal values, the lower index first (torch.topk
+    orders them as its kernel happens to: only exact ties, which a trained model's floats do not make, may go
+    another way than the torch search's)."""
     if k < ranking.shape[1]:
         part = np.argpartition(-ranking, k - 1, axis=1)[:, :k]
     else:

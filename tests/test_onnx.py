@@ -1,0 +1,350 @@
+"""`captioner export --format onnx` and `captioner.onnx` (issue #74): the exported graphs on ONNX Runtime, searched
+in numpy, write the torch search's captions with its attention, from the same files, and import no torch.
+
+The bundled model is exported once per test process, by the command a user runs. `make test` compares the first 32
+images of the bundled model's test split; .ci/run all 500 (`-m ci`), and installs deploy/ in a fresh virtual
+environment to show that it pulls in no torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from captioner import Captioner as TorchCaptioner
+from captioner.data.images import load_image
+from captioner.data.shapes import ShapesDataset
+from captioner.errors import CaptionerError
+from captioner.models.decoding import beam_search, greedy_search
+from captioner.onnx import Captioner, search
+from captioner.onnx.resize import resize
+from captioner.onnx_export import StepGraph
+from tests.conftest import REPO, run_main
+from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
+from tests.images import photo
+from tests.models.test_decoding import TRAP, WEAK
+
+SAMPLE = REPO / "docs" / "images" / "shapes_test_0.png"
+
+
+@pytest.fixture(scope="module")
+def shapes_onnx(tmp_path_factory) -> Path:
+    """The bundled model exported as a user exports it: `captioner export --ckpt_path shapes --format onnx`."""
+    from captioner.cli import main
+
+    folder = tmp_path_factory.mktemp("onnx") / "shapes"
+    main(["export", "--ckpt_path", "shapes", "--format", "onnx", "--output", str(folder)])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def torch_captioner() -> TorchCaptioner:
+    return TorchCaptioner.load("shapes")
+
+
+@pytest.fixture(scope="module")
+def test_files(tmp_path_factory) -> list[Path]:
+    """The bundled model's test split (ShapesDataset("test", 500, seed=0), as tests/test_bundled_model.py reads it),
+    written to PNG files: both searches read the same files."""
+    folder = tmp_path_factory.mktemp("shapes_test")
+    split = ShapesDataset("test", 500, seed=0)
+    paths = [folder / f"{i:03d}.png" for i in range(len(split))]
+    for i, path in enumerate(paths):
+        split.load_image(i).save(path)
+    return paths
+
+
+def test_importing_and_captioning_imports_no_torch(shapes_onnx):
+    """The issue's command, in a process of its own: it captions, and torch is never imported."""
+    code = (
+        "import sys; from captioner.onnx import Captioner; "
+        f"r = Captioner({str(shapes_onnx)!r}).caption([{str(SAMPLE)!r}])[0]; "
+        "print(r.text); print(r.alphas.shape, r.grid_hw); "
+        "assert 'torch' not in sys.modules and 'torchvision' not in sys.modules, 'torch was imported'"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    text, shape = ran.stdout.splitlines()
+    assert text.startswith("there is") and shape.endswith("(14, 14)"), ran.stdout
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_the_resize_gives_torchvisions_pixels(mode):
+    """The numpy resize against torchvision's v2.Resize(antialias=True) on uint8 images (what the model's
+    preprocessing does): down and up, each side alone and both, to the last bit."""
+    generator = np.random.default_rng(0)
+    image = np.asarray(photo("astronaut"))  # 512x512: real edges and gradients
+    interpolation = v2.InterpolationMode(mode)
+    sizes = [(512, 512, 224), (300, 451, 224), (97, 61, 224), (224, 500, 224), (40, 224, 224), (1, 3000, 256)]
+    for height, width, size in [*sizes, (333, 333, 96)]:  # (input height, width, output side)
+        top = generator.integers(0, 512 - height + 1)
+        pixels = np.array(Image.fromarray(image[top : top + height]).resize((width, height)))
+        resized = v2.Resize((size, size), interpolation=interpolation, antialias=True)
+        want = resized(torch.from_numpy(pixels).permute(2, 0, 1))
+        got = resize(pixels, size, mode)
+        assert got.shape == (size, size, 3)
+        assert np.array_equal(got, want.permute(1, 2, 0).numpy()), (height, width, size)
+
+
+def test_a_photos_annotations_are_the_torch_captioners(shapes_onnx, torch_captioner):
+    """Photos of several sizes and modes, in files: the annotations that each captioner computes from what it reads
+    (`load_image`, then its own preprocessing) agree within 1e-3."""
+    onnx = Captioner(shapes_onnx)
+    cases = {"coffee.jpg": photo("coffee"), "chelsea.png": photo("chelsea"), "camera.png": photo("camera")}
+    cases |= {"small.png": photo("astronaut").resize((61, 97)), "wide.jpg": photo("coffee").resize((900, 120))}
+    for name, image in cases.items():
+        path = shapes_onnx.parent / name
+        image.save(path)
+        got = onnx.annotate(onnx.preprocess(load_image(path))[None])
+        with torch.inference_mode():
+            want = torch_captioner.model.annotate(torch_captioner.transform(load_image(path))[None]).numpy()
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() < 1e-3, (name, np.abs(got - want).max())
+
+
+def ranking(result, max_len: int = 30, length_penalty: float = 1.0) -> float:
+    """What beam search ranked a caption by: its score / its length ** length_penalty (<end> counted if it ended)."""
+    length = len(result.tokens) + 1 if len(result.tokens) < max_len else max_len
+    return result.score / length**length_penalty
+
+
+def compare(want: list, got: list, beam_size: int, **options) -> list[int]:
+    """The images whose captions differ; for those equal, the scores and each word's attention agree."""
+    differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w.tokens != g.tokens]
+    for w, g in zip(want, got, strict=True):
+        if w.tokens == g.tokens:
+            assert g.text == w.text and g.grid_hw == w.grid_hw
+            assert abs(g.score - w.score) < 1e-3, (w.score, g.score)
+            assert g.alphas.shape == tuple(w.alphas.shape) and g.alphas.dtype == np.float32
+            assert np.abs(g.alphas - w.alphas.numpy()).max() <= 1e-4, w.text
+    for i in differ:  # a beam's near-tie, which float rounding may decide either way
+        assert beam_size > 1, (want[i].text, got[i].text)
+        assert abs(ranking(want[i], **options) - ranking(got[i], **options)) <= 1e-4, (want[i].text, got[i].text)
+    return differ
+
+
+@pytest.mark.parametrize("images", [32, pytest.param(500, marks=pytest.mark.ci)])
+def test_the_searches_write_the_torch_captions_word_for_word(images, shapes_onnx, torch_captioner, test_files):
+    """The bundled model's test images, read from files, greedy and beam 3: greedy, every caption the same; beam 3,
+    at most 1% differ, each a near-tie (rankings within 1e-4); each word's attention within 1e-4."""
+    onnx = Captioner(shapes_onnx)
+    paths = test_files[:images]
+    for beam_size in (1, 3):
+        want = torch_captioner.caption(paths, beam_size=beam_size, batch_size=50)
+        got = onnx.caption(paths, beam_size=beam_size, batch_size=50)
+        assert [g.source for g in got] == [str(p) for p in paths]
+        differ = compare(want, got, beam_size)
+        assert len(differ) <= 0.01 * images, differ
+
+
+def test_the_searches_agree_where_no_beam_ends_and_on_the_raw_sum(shapes_onnx, torch_captioner, test_files):
+    """Captions cut at 4 words (no hypothesis ends: the best unfinished one is read back), the raw-sum ranking
+    (length_penalty 0), beams of 2 and 5, and batches of images that end at different words."""
+    onnx = Captioner(shapes_onnx)
+    paths = test_files[:12]
+    for options in [{"beam_size": 3, "max_len": 4}, {"beam_size": 2, "length_penalty": 0.0},
+                    {"beam_size": 5, "batch_size": 5}, {"beam_size": 1, "max_len": 4}]:  # fmt: skip
+        want, got = torch_captioner.caption(paths, **options), onnx.caption(paths, **options)
+        ranked = {k: v for k, v in options.items() if k in ("max_len", "length_penalty")}
+        assert compare(want, got, options["beam_size"], **ranked) == [], options
+        if options == {"beam_size": 3, "max_len": 4}:  # some captions ended within 4 words, some are cut there
+            assert {len(g.tokens) for g in got} > {4}, [g.text for g in got]
+
+
+def numpy_step(decoder):
+    """A decoder's step as `step.onnx` computes it (`StepGraph`), on numpy arrays: the numpy search run on it reads the
+    very numbers the torch search reads, so the two must choose the same words."""
+    graph = StepGraph(SimpleNamespace(decoder=decoder))
+
+    def step(*inputs: np.ndarray) -> list[np.ndarray]:
+        with torch.inference_mode():
+            return [x.numpy() for x in graph(*(torch.from_numpy(np.ascontiguousarray(x)) for x in inputs))]
+
+    return step
+
+
+NEVER_ENDS = {w: {A: 0.5, B: 0.3, C: 0.2} for w in (START, A, B, C)}
+
+
+@pytest.mark.parametrize(
+    "decoder, options",
+    [
+        ("random", {"beam_size": 1, "max_len": 12}),
+        ("random", {"beam_size": 3, "max_len": 12}),
+        ("random", {"beam_size": 4, "max_len": 12, "length_penalty": 0.7}),
+        ("random", {"beam_size": 5, "max_len": 6, "length_penalty": 0.0}),
+        ("trap", {"beam_size": 2}),
+        ("weak", {"beam_size": 3, "max_len": 10, "length_penalty": 0.0}),
+        ("weak", {"beam_size": 3, "max_len": 10}),
+        ("never_ends", {"beam_size": 3, "max_len": 5}),
+        ("never_ends", {"beam_size": 1, "max_len": 5}),
+    ],
+)
+def test_the_numpy_search_is_the_torch_search(decoder, options):
+    """On the torch search's own test decoders (tests/models/test_decoding.py: a random one, whose captions end at
+    many different words, and tables built to trap greedy search, to favour short captions by the raw sum, to never
+    end), the numpy search writes the same words, scores and attention, for each beam width and length penalty."""
+    if decoder == "random":
+        decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
+    else:
+        tables = {"trap": TRAP, "weak": WEAK, "never_ends": NEVER_ENDS}
+        decoder, annotations = TableDecoder(tables[decoder]), torch.zeros(3, 4, 2)
+    beam_size = options.pop("beam_size")
+    with torch.inference_mode():
+        h, c = decoder.init_state(annotations)
+        keys = decoder.prepare(annotations)
+        if beam_size == 1:
+            want = greedy_search(decoder, annotations, **options, **SPECIAL)
+        else:
+            want = beam_search(decoder, annotations, beam_size=beam_size, **options, **SPECIAL)
+    special = {"start": START, "end": END, "pad": PAD}
+    arrays = [x.numpy() for x in (annotations, keys, h, c)]
+    if beam_size == 1:
+        got = search.greedy_search(numpy_step(decoder), *arrays, **options, **special)
+    else:
+        got = search.beam_search(numpy_step(decoder), *arrays, beam_size=beam_size, **options, **special)
+    for i, ids in enumerate(got.ids):
+        n = int(want.lengths[i])
+        assert ids == want.tokens[i, :n].tolist(), i
+        assert got.scores[i] == pytest.approx(float(want.scores[i]), abs=1e-5)
+        assert np.abs(got.alphas[i] - want.alphas[i, :n].numpy()).max() <= 1e-6
+
+
+def test_the_numpy_search_is_the_torch_search_on_random_tables():
+    """200 tables of next-word probabilities drawn at random (8 words, <end> among them: captions end at any word,
+    and finished hypotheses compete with live ones), random beam widths, length penalties and longest captions: the
+    same caption, but for ties: a caption that takes the same transitions in another order (7 6 5 4 7 5, 7 5 4 7 6 5)
+    has the same probability, and of two equal values torch.topk keeps whichever its kernel happens to (the numpy
+    search, the lower index). A trained model's words depend on more than the previous one, and make no such ties."""
+    generator = np.random.default_rng(0)
+    words, ties = list(range(END, 8)), 0
+    for _ in range(200):
+        rows = generator.dirichlet([0.5] * len(words), size=len(words)).tolist()  # after <start> and each word
+        table = {prev: dict(zip(words, row, strict=True)) for prev, row in zip([START, *words[1:]], rows, strict=True)}
+        decoder, annotations = TableDecoder(table, vocab_size=8), torch.zeros(1, 4, 2)
+        options = {"beam_size": int(generator.integers(2, 5)), "max_len": int(generator.integers(2, 9))}
+        options["length_penalty"] = float(generator.choice([0, 0.7, 1]))
+        with torch.inference_mode():
+            want = beam_search(decoder, annotations, **options, **SPECIAL)
+            arrays = [x.numpy() for x in (annotations, decoder.prepare(annotations), *decoder.init_state(annotations))]
+        got = search.beam_search(numpy_step(decoder), *arrays, **options, start=START, end=END, pad=PAD)
+        n = int(want.lengths[0])
+        if got.ids[0] != want.tokens[0, :n].tolist():  # only a tie: the same transitions in another order
+            penalty = options["length_penalty"]
+            rankings = float(want.scores[0]) / n**penalty, got.scores[0] / len(got.ids[0]) ** penalty
+            assert abs(rankings[0] - rankings[1]) < 1e-5, (table, options, got.ids[0], want.tokens[0, :n].tolist())
+            ties += 1
+    assert ties <= 10
+
+
+def test_caption_command_on_an_onnx_folder_draws_the_same_overlays(shapes_onnx, capfd, tmp_path, monkeypatch):
+    """`captioner caption --ckpt_path FOLDER IMAGE --overlays DIR` captions with the ONNX search (torch's Captioner is
+    never loaded) and draws its overlays from the ONNX attention: the same picture as torch's, to a level or two."""
+    torch_overlays, onnx_overlays = tmp_path / "torch", tmp_path / "onnx"
+    want = run_main(capfd, "caption", "--ckpt_path", "shapes", str(SAMPLE), "--overlays", str(torch_overlays), "--json")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch Captioner was loaded")
+
+    monkeypatch.setattr(TorchCaptioner, "load", refuse)
+    got = run_main(
+        capfd, "caption", "--ckpt_path", str(shapes_onnx), str(SAMPLE), "--overlays", str(onnx_overlays), "--json"
+    )
+    assert got.status == want.status == 0, got.err
+    record, expected = json.loads(got.out), json.loads(want.out)
+    assert record["tokens"] == expected["tokens"] and abs(record["score"] - expected["score"]) < 1e-4
+    (drawn,), (reference,) = onnx_overlays.glob("*.png"), torch_overlays.glob("*.png")
+    a, b = (np.asarray(Image.open(p), dtype=np.int16) for p in (drawn, reference))
+    assert a.shape == b.shape and np.abs(a - b).max() <= 2
+
+
+def test_a_broken_export_is_one_line_naming_the_folder(shapes_onnx, tmp_path, capfd):
+    incomplete = Path(shutil.copytree(shapes_onnx, tmp_path / "incomplete"))
+    (incomplete / "step.onnx").unlink()
+    newer = Path(shutil.copytree(shapes_onnx, tmp_path / "newer"))
+    config = json.loads((newer / "captioner.json").read_text())
+    (newer / "captioner.json").write_text(json.dumps({**config, "format": 99}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    truncated = Path(shutil.copytree(shapes_onnx, tmp_path / "truncated"))
+    (truncated / "encoder.onnx").write_bytes((shapes_onnx / "encoder.onnx").read_bytes()[:1000])
+    reasons = {incomplete: "step.onnx: missing", newer: "format 99", empty: "no captioner.json"}
+    reasons[truncated] = "encoder.onnx: ONNX Runtime cannot load it"
+    for folder, reason in reasons.items():
+        with pytest.raises(CaptionerError, match=reason):
+            Captioner(folder)
+        ran = run_main(capfd, "caption", "--ckpt_path", str(folder), str(SAMPLE))
+        errors = ran.err.strip().splitlines()
+        assert ran.status == 2 and len(errors) == 1 and reason in errors[0] and "Traceback" not in ran.err, ran.err
+
+
+def test_a_bad_image_is_skipped_with_its_error(shapes_onnx, tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
+    results = list(Captioner(shapes_onnx).iter_captions([SAMPLE, broken, photo("coffee")], beam_size=3))
+    assert results[0].text.startswith("there is") and results[2].source == "<image>"
+    assert str(results[1]) == f"{broken}: not an image file PIL can read"
+
+
+def test_a_check_finds_graphs_that_are_not_the_models(shapes_onnx):
+    """export's check (run at every export) refuses graphs that compute another function than the model's."""
+    from captioner.checkpoints import build_model, model_file, resolve
+    from captioner.onnx_export import check
+
+    model = build_model(model_file(resolve("shapes")), "shapes").eval()
+    model.encoder.fold_batchnorm()
+    check(model, shapes_onnx, "shapes")  # the model it was exported from
+    with torch.no_grad():
+        model.decoder.L_o.bias[5] += 0.1  # one word's logit
+    with pytest.raises(CaptionerError, match="the exported step graph's output 0 is not the model's"):
+        check(model, shapes_onnx, "shapes")
+
+
+def test_int8_quantizes_the_step_and_still_captions(shapes_onnx, tmp_path):
+    """--int8 step's quantization (here on a copy of the float export): the step's matrix products run in int8, its
+    file is smaller, and it captions. What it changes is measured in benchmarks/onnx_runtime.py."""
+    import onnx
+
+    from captioner.onnx_export import INT8, quantize
+
+    folder = Path(shutil.copytree(shapes_onnx, tmp_path / "int8"))
+    quantize(folder, INT8["step"])
+    ops = {node.op_type for node in onnx.load(str(folder / "step.onnx")).graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops, ops
+    assert (folder / "step.onnx").stat().st_size < 0.5 * (shapes_onnx / "step.onnx").stat().st_size
+    assert (folder / "encoder.onnx").read_bytes() == (shapes_onnx / "encoder.onnx").read_bytes()
+    result = Captioner(folder).caption([SAMPLE])[0]
+    assert result.tokens and result.alphas.shape == (len(result.tokens), 196)
+
+
+@pytest.mark.ci
+def test_deploy_installs_without_torch_and_captions(shapes_onnx, tmp_path):
+    """deploy/ in a fresh virtual environment: pip installs numpy, Pillow and onnxruntime, never torch, and the
+    issue's command captions there."""
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=True)
+    python = env / "bin" / "python"
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", str(REPO / "deploy")], capture_output=True, text=True, timeout=600
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True)
+    installed = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "onnxruntime" in installed and not {"torch", "torchvision", "lightning"} & installed, installed
+    code = (
+        "import sys; from captioner.onnx import Captioner; "
+        f"print(Captioner({str(shapes_onnx)!r}).caption([{str(SAMPLE)!r}])[0].text); "
+        "assert 'torch' not in sys.modules"
+    )
+    ran = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.startswith("there is"), ran.stderr[-3000:]
