@@ -1,6 +1,7 @@
 """Options in combination: real `captioner fit` runs through the CLI, then test, predict, `Captioner.load(...).caption`,
-export and a `--ckpt_path last` resume, over a pairwise covering set of the options' values: every pair of values of
-two options meets in at least one run (not the full product, which is 2^10 runs).
+export (beyond `make test`'s slice, to ONNX too: the same captions) and a `--ckpt_path last` resume, over a pairwise
+covering set of the options' values: every pair of values of two options meets in at least one run (not the full
+product, which is 2^10 runs).
 
 Each run ends with exit status 0, finite logged metrics and files that load, or, for a combination refused on purpose
 (self-critical training with hard attention), one `error:` line and status 2; never a traceback, never a hang (each
@@ -32,6 +33,7 @@ import torch
 from captioner.api import Captioner
 from captioner.cli import run_lightning_cli
 from captioner.data.shapes import ShapesDataset
+from captioner.onnx import Captioner as OnnxCaptioner
 from tests.conftest import REPO, Ran, run_main, tiny_fit_args
 from tests.cuda_graphs import cuda_graph_stand_in
 from tests.helpers import logged, metrics_csvs
@@ -254,6 +256,10 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     exported = tmp_path / "model.pt"
     ok(captioner(capfd, "export", "--ckpt_path", str(best), "--output", str(exported)))
     assert [r.tokens for r in Captioner.load(exported).caption(images)] == captions
+    if not fast(row):  # the model's ONNX graphs write its captions (make test exports the bundled model: test_onnx)
+        graphs = tmp_path / "onnx"
+        ok(captioner(capfd, "export", "--ckpt_path", str(best), "--format", "onnx", "--output", str(graphs)))
+        assert [r.tokens for r in OnnxCaptioner(graphs).caption(images)] == captions
 
     ok(fit_run(*args, "--trainer.max_epochs=2", "--ckpt_path=last"))
     state = torch.load(last, map_location="cpu", weights_only=True)
