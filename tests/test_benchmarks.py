@@ -65,3 +65,17 @@ def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_pa
     assert list(forms) == ["tutorial", "eager", "fixed shapes", "compiled"]
     assert forms["tutorial"]["error"].startswith("RuntimeError: made to fail")
     assert all("captions/s" in forms[form] for form in ("eager", "fixed shapes", "compiled"))
+
+
+def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_path):
+    result = run("benchmarks/onnx_runtime.py", "--smoke", f"--out={tmp_path}", timeout=600, fail=("onnx, int8 all",))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    latency = {row["form"]: row for row in rows(tmp_path / "onnx_latency.jsonl")}
+    quality = {row["form"]: row for row in rows(tmp_path / "onnx_quality.jsonl")}
+    forms = ["torch, eager", "onnx, float", "onnx, int8 step", "onnx, int8 all"]
+    assert list(latency) == list(quality) == forms
+    assert latency["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
+    assert all("1 image p50, ms" in latency[form] and "8 images, ms" in latency[form] for form in forms[:3])
+    # the float export writes torch's captions (tests/test_onnx.py: word for word), so it scores the same
+    assert quality["onnx, float"]["captions unchanged"] == "1.000"
+    assert quality["onnx, float"]["CIDEr-D"] == quality["torch, eager"]["CIDEr-D"]

@@ -1,0 +1,175 @@
+"""The ONNX export on ONNX Runtime against torch, and what int8 costs: the files' sizes; the latency of one 640x480 JPEG
+and of 64 at once, from file to caption (beam 3); and, on a test split read from files, the share of captions
+unchanged from torch's, BLEU-4 and CIDEr-D (pycocoevalcap's, on captioner's tokens; `captioner evaluate` tokenizes
+with the PTB tokenizer instead, so its figures differ a little).
+
+Forms: torch (`captioner.Captioner`, eager), and `captioner export --format onnx` run by `captioner.onnx.Captioner`
+(CPU execution provider): float, `--int8 step` (the decoder step's weights) and `--int8 all` (the encoder's
+convolutions too).
+
+    python benchmarks/onnx_runtime.py             # the bundled model and its 500 test images
+    python benchmarks/onnx_runtime.py --ucm-model checkpoints/ucm/best.ckpt --ucm-data data/ucm
+                                                  # and a model fitted with configs/ucm.yaml, on UCM's test split
+    python benchmarks/onnx_runtime.py --smoke     # a few images and calls: checks the script only
+
+Rows are printed, and written to --out, as they are measured; a form that fails is a row with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import onnxruntime
+import torch
+from common import Table, deadline, fail_if_asked, machine, one_line, out_folder, write_images
+
+from captioner import Captioner
+from captioner.data.coco import read_karpathy
+from captioner.data.shapes import ShapesDataset
+from captioner.data.vocab import tokenize
+from captioner.metrics import coco_caption_scores
+from captioner.onnx import Captioner as OnnxCaptioner
+from captioner.onnx_export import export_onnx
+
+INT8 = {"onnx, float": None, "onnx, int8 step": "step", "onnx, int8 all": "all"}
+
+
+def exports(checkpoint: str, folder: Path) -> dict[str, Path | str]:
+    """The model's three ONNX exports (or, for one that fails, its error)."""
+    made: dict[str, Path | str] = {}
+    for form, int8 in INT8.items():
+        try:
+            fail_if_asked(form)
+            made[form] = export_onnx(checkpoint, folder / form.replace(", ", "_").replace(" ", "_"), int8=int8)
+        except Exception as err:
+            made[form] = "error: " + one_line(err)
+    return made
+
+
+def captioners(checkpoint: str, made: dict[str, Path | str]) -> dict[str, object]:
+    forms: dict[str, object] = {"torch, eager": Captioner.load(checkpoint, device="cpu")}
+    for form, folder in made.items():
+        forms[form] = folder if isinstance(folder, str) else OnnxCaptioner(folder, providers=["CPUExecutionProvider"])
+    return forms
+
+
+def latency_rows(model: str, forms: dict[str, object], image: Path, batch: list[Path], calls: int, rows: Table):
+    """Each form in turn, alone (the forms do not take turns call by call: a runtime's threads spin on after its
+    calls, and would slow the other's): one image, `calls` calls (p50, p95); the batch, the median of 3 calls. Each
+    after two untimed calls."""
+    for form, captioner in forms.items():
+        row = {"model": model, "form": form}
+        if isinstance(captioner, str):
+            rows.add({**row, "error": captioner.removeprefix("error: ")})
+            continue
+
+        def measure(captioner=captioner) -> dict:
+            one, many = [], []
+            for calls_, images, times in ((calls, [image], one), (3, batch, many)):
+                for i in range(2 + calls_):
+                    start = time.perf_counter()
+                    captioner.caption(images, beam_size=3, batch_size=len(images))
+                    if i >= 2:
+                        times.append(time.perf_counter() - start)
+            ms = sorted(1000 * s for s in one)
+            median = statistics.median(many)
+            return {
+                "1 image p50, ms": f"{statistics.median(ms):.1f}",
+                "1 image p95, ms": f"{ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]:.1f}",
+                f"{len(batch)} images, ms": f"{1000 * median:.0f}",
+                "images/s": f"{len(batch) / median:.1f}",
+            }
+
+        rows.measure(row, measure)
+
+
+def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], paths, references, rows: Table):
+    """Captions of the split's files (beam 3) by each form: unchanged from torch's, BLEU-4, CIDEr-D."""
+    want = None
+    for form, captioner in forms.items():
+        row = {"model": model, "form": form, "files, MiB": sizes.get(form, "")}
+        if isinstance(captioner, str):
+            rows.add({**row, "error": captioner.removeprefix("error: ")})
+            continue
+
+        def measure(captioner=captioner, form=form) -> dict:
+            nonlocal want
+            got = [r.tokens for r in captioner.caption(paths, beam_size=3, batch_size=50)]
+            if form == "torch, eager":
+                want = got
+            hypotheses = {i: " ".join(words) for i, words in enumerate(got)}
+            scores = coco_caption_scores(hypotheses, references, meteor=False, tokenized=True)
+            unchanged = "" if want is None else f"{sum(a == b for a, b in zip(want, got, strict=True)) / len(got):.3f}"
+            return {
+                "captions unchanged": unchanged,
+                "BLEU-4": f"{scores['Bleu_4']:.4f}",
+                "CIDEr-D": f"{scores['CIDEr']:.4f}",
+            }
+
+        rows.measure(row, measure)
+
+
+def file_sizes(checkpoint: str, made: dict[str, Path | str]) -> dict[str, str]:
+    from captioner.checkpoints import resolve
+
+    sizes = {"torch, eager": f"{resolve(checkpoint).stat().st_size / 2**20:.1f}"}
+    for form, folder in made.items():
+        if not isinstance(folder, str):
+            sizes[form] = f"{sum(f.stat().st_size for f in folder.glob('*.onnx')) / 2**20:.1f}"
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few images and calls: checks the script only")
+    parser.add_argument("--calls", type=int, default=30, help="timed one-image calls per form")
+    parser.add_argument("--images", type=int, default=500, help="the bundled model's test images to caption")
+    parser.add_argument("--ucm-model", help="a checkpoint or model file fitted with configs/ucm.yaml")
+    parser.add_argument("--ucm-data", help="UCM's folder (dataset.json, images/), as data/README.md says")
+    parser.add_argument("--out", help="a folder for the tables' rows (onnx_*.jsonl as measured, onnx_*.md)")
+    parser.add_argument("--budget", type=float, help="seconds: a form not started by then is a row that says so")
+    options = parser.parse_args()
+    calls, images = (3, 8) if options.smoke else (options.calls, options.images)
+    out, until = out_folder(options.out), deadline(options.budget)
+    print(f"# onnx_runtime.py on {machine()}, onnxruntime {onnxruntime.__version__}", flush=True)
+    if options.smoke:
+        print("# smoke run: not a measurement", flush=True)
+    models = {"shapes (bundled)": "shapes"}
+    if options.ucm_model:
+        models["UCM (configs/ucm.yaml)"] = options.ucm_model
+    speed = Table("onnx_latency", f"from file to caption, beam 3, CPU; 1 image: {calls} calls each", out, until)
+    quality = Table("onnx_quality", "test split from files, beam 3: captions and scores", out, until)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        image = write_images(folder / "one", [], distinct=1)[0]
+        batch = write_images(folder / "batch", [], distinct=8 if options.smoke else 64)
+        for model, checkpoint in models.items():
+            made = exports(checkpoint, folder / model.split()[0])
+            forms = captioners(checkpoint, made)
+            latency_rows(model, forms, image, batch, calls, speed)
+            if checkpoint == "shapes":
+                split = ShapesDataset("test", images, seed=0)
+                paths = [folder / f"shapes_{i:03d}.png" for i in range(len(split))]
+                for i, path in enumerate(paths):
+                    split.load_image(i).save(path)
+                references = {i: [" ".join(tokenize(c)) for c in split.captions(i)] for i in range(len(split))}
+            elif options.ucm_data:
+                data = Path(options.ucm_data)
+                records = read_karpathy(data / "dataset.json", data / "images", "test")[:images]
+                paths = [r.image for r in records]
+                references = {i: [" ".join(tokenize(c)) for c in r.captions] for i, r in enumerate(records)}
+            else:
+                continue
+            quality_rows(model, forms, file_sizes(checkpoint, made), paths, references, quality)
+    speed.finish()
+    quality.finish()
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())
