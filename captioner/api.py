@@ -71,6 +71,16 @@ class Captioner:
         self.vocab = vocab
         self.transform = model.encoder.preprocessing.transforms()
 
+    @property
+    def image_size(self) -> int:
+        """The side of the square the model's input is resized to."""
+        return self.model.encoder.preprocessing.size
+
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        """The attention grid's height and width: each result's alphas have grid_hw[0] * grid_hw[1] cells."""
+        return self.model.encoder.grid_hw
+
     @classmethod
     def load(
         cls,

@@ -441,7 +441,9 @@ def serve(argv: list[str]) -> None:
     There is no authentication: anyone who can reach the port can use the model."""
     parser = _parser(serve)
     _add_checkpoint(
-        parser, "a checkpoint of `captioner fit`, a model file of `captioner export`, or a bundled model's name", True
+        parser,
+        "a checkpoint of `captioner fit`, a model file or ONNX folder of `captioner export`, or a bundled model's name",
+        True,
     )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (others need it said)")
     parser.add_argument("--port", type=int, default=7860, help="the port to listen on")

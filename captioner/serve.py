@@ -20,6 +20,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -34,6 +35,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from captioner.api import Captioner, CaptionResult
 from captioner.data.images import ImageError, load_image
 from captioner.data.shapes import ShapesDataset
+
+if TYPE_CHECKING:
+    from captioner import onnx
 
 STATIC = Path(__file__).parent / "static"
 MAX_BEAM_SIZE = 10
@@ -159,7 +163,7 @@ class Batcher:
     size) go through the model as one batched search. The model is never used by two threads at once, and concurrent
     requests share its work."""
 
-    def __init__(self, captioner: Captioner, max_batch: int = 8, max_len: int = 30):
+    def __init__(self, captioner: Captioner | onnx.Captioner, max_batch: int = 8, max_len: int = 30):
         self.captioner, self.max_batch, self.max_len = captioner, max_batch, max_len
         self.requests: queue.Queue[tuple[Image.Image, int, Future]] = queue.Queue()
         threading.Thread(target=self._serve, name="captioner-batcher", daemon=True).start()
@@ -188,7 +192,7 @@ class Batcher:
                     future.set_result(result)
 
 
-def answer(result: CaptionResult) -> dict:
+def answer(result: CaptionResult | onnx.CaptionResult) -> dict:
     """The JSON of one caption: one attention row of h*w weights per token (<end> excluded)."""
     return {
         "caption": result.text,
@@ -211,7 +215,7 @@ def example_images(count: int = 4) -> dict[str, bytes]:
 
 
 def create_app(
-    captioner: Captioner,
+    captioner: Captioner | onnx.Captioner,
     max_upload_mb: float = 20,
     max_batch: int = 8,
     max_pixels: int = 25_000_000,
@@ -225,7 +229,7 @@ def create_app(
     most `max_batch` decoded images are held at once (the others wait, not decoded)."""
     batcher = Batcher(captioner, max_batch)
     decoding = asyncio.Semaphore(max_batch)  # decoded images in memory: from decoding until captioned
-    reduce_to = 2 * captioner.model.encoder.preprocessing.size
+    reduce_to = 2 * captioner.image_size
     examples = example_images()
     # No /docs, /redoc or /openapi.json: their pages load scripts from a CDN, and the API is the one route below.
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)
@@ -249,7 +253,7 @@ def create_app(
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     def healthz() -> dict:
-        return {"status": "ok", "grid": list(captioner.model.encoder.grid_hw), "vocab_size": len(captioner.vocab)}
+        return {"status": "ok", "grid": list(captioner.grid_hw), "vocab_size": len(captioner.vocab)}
 
     @app.api_route("/api/examples", methods=["GET", "HEAD"])
     def example_names() -> list[str]:
@@ -310,7 +314,12 @@ def serve(
 ) -> None:
     import uvicorn
 
-    captioner = Captioner.load(checkpoint)
+    if Path(checkpoint).is_dir():  # a folder of `captioner export --format onnx`: ONNX Runtime's search
+        from captioner.onnx import Captioner as OnnxCaptioner
+
+        captioner = OnnxCaptioner(checkpoint)
+    else:
+        captioner = Captioner.load(checkpoint)
     app = create_app(captioner, max_upload_mb, max_batch, max_pixels, timeout)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")

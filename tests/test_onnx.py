@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,6 +268,37 @@ def test_caption_command_on_an_onnx_folder_draws_the_same_overlays(shapes_onnx, 
     (drawn,), (reference,) = onnx_overlays.glob("*.png"), torch_overlays.glob("*.png")
     a, b = (np.asarray(Image.open(p), dtype=np.int16) for p in (drawn, reference))
     assert a.shape == b.shape and np.abs(a - b).max() <= 2
+
+
+def test_serve_on_an_onnx_folder_answers_what_torch_does(shapes_onnx, torch_captioner):
+    """`captioner serve --ckpt_path FOLDER`, as users run it: its answer is the torch Captioner's caption, and its
+    attention within the JSON's rounding (1e-5) of 1e-4."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "captioner.cli", "serve", "--ckpt_path", str(shapes_onnx), "--port", str(port)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                health = httpx.get(f"{url}/healthz")
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert process.poll() is None, "captioner serve ended"
+        assert health.json()["grid"] == [14, 14]
+        files = {"image": ("shapes.png", SAMPLE.read_bytes())}
+        answer = httpx.post(f"{url}/api/caption", files=files, data={"beam_size": "3"}, timeout=60).json()
+    finally:
+        process.terminate()
+        log = process.communicate(timeout=30)[0]
+    assert "Traceback" not in log, log
+    expected = torch_captioner.caption([SAMPLE], beam_size=3)[0]
+    assert answer["tokens"] == expected.tokens and answer["caption"] == expected.text
+    assert np.abs(np.array(answer["alphas"]) - expected.alphas.numpy()).max() <= 1e-4 + 1e-5
 
 
 def test_a_broken_export_is_one_line_naming_the_folder(shapes_onnx, tmp_path, capfd):

@@ -96,6 +96,11 @@ class Captioner:
         self.grid_hw = tuple(self.config["grid"])
 
     @property
+    def image_size(self) -> int:
+        """The side of the square the model's input is resized to."""
+        return self.config["image_size"]
+
+    @property
     def providers(self) -> list[str]:
         return self.sessions["step"].get_providers()
 
