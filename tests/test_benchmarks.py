@@ -62,9 +62,11 @@ def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_pa
     result = run("benchmarks/train_step.py", "--smoke", f"--out={tmp_path}", timeout=300, fail=("tutorial",))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     forms = {row["form"]: row for row in rows(tmp_path / "train_step.jsonl")}
-    assert list(forms) == ["tutorial", "eager", "fixed shapes", "compiled"]
+    grouped = ["grouped, a copy per caption", "grouped, each image once"]
+    assert list(forms) == ["tutorial", "eager", "fixed shapes", "compiled", *grouped]
     assert forms["tutorial"]["error"].startswith("RuntimeError: made to fail")
-    assert all("captions/s" in forms[form] for form in ("eager", "fixed shapes", "compiled"))
+    assert all("captions/s" in forms[form] for form in ("eager", "fixed shapes", "compiled", *grouped))
+    assert "x a copy per caption" in forms["grouped, each image once"]
 
 
 def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_path):
