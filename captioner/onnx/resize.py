@@ -5,9 +5,9 @@ torchvision resizes uint8 images natively on CPUs with AVX2 or AVX512 (bilinear,
 Pillow-SIMD's separable resampling: for each output pixel, the input pixels under the filter (a triangle for
 bilinear, Keys' cubic with a = -0.5 for bicubic), widened by the scale when it shrinks the image, their weights
 normalised, then held as 16-bit integers of a precision chosen so that the largest weight fits; one pass along the
-width, then one along the height, each rounded to uint8. This module does the same arithmetic in float64, exact for
-these integers: the same pixels, to the last bit, as torchvision on this project's machines (tests/test_onnx.py
-checks photos of several sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through
+width, then one along the height, each rounded to uint8. This module does the same integer arithmetic: the same
+pixels, to the last bit, as torchvision on this project's machines (tests/test_onnx.py checks photos of several
+sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through
 floats instead, and may differ by a level here and there.
 """
 
@@ -33,8 +33,9 @@ FILTERS = {"bicubic": (_bicubic, 2.0), "bilinear": (_bilinear, 1.0)}  # filter, 
 
 
 @lru_cache(maxsize=64)
-def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, int]:
-    """The (out_size, in_size) integer weights of one pass, and their precision (bits)."""
+def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """One pass's taps: for each output pixel the (out_size, taps) indices of the input pixels under its filter and
+    their integer weights (a tap beyond the filter weighs 0), and the weights' precision (bits)."""
     kernel, support = FILTERS[mode]
     scale = in_size / out_size
     widen = max(scale, 1.0)  # shrinking: the filter spans more input pixels
@@ -51,17 +52,28 @@ def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, int]:
     precision = 0  # as many bits as keep the largest weight within 16-bit integers
     while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
         precision += 1
-    matrix = np.zeros((out_size, in_size))
+    taps = max(len(w) for _, w in rows)
+    index = np.zeros((out_size, taps), dtype=np.intp)
+    integer = np.zeros((out_size, taps), dtype=np.int32)
     for x, (first, w) in enumerate(rows):
         scaled = w * (1 << precision)
-        matrix[x, first : first + len(w)] = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
-    return matrix, precision
+        index[x, : len(w)] = np.arange(first, first + len(w))
+        integer[x, : len(w)] = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
+    return index, integer, precision
 
 
-def _pass(pixels: np.ndarray, matrix: np.ndarray, precision: int, axis: int) -> np.ndarray:
-    moved = np.moveaxis(pixels.astype(np.float64), axis, -1)
-    out = np.floor((moved @ matrix.T + (1 << (precision - 1))) / (1 << precision))
-    return np.moveaxis(np.clip(out, 0, 255), -1, axis).astype(np.uint8)
+def _pass(pixels: np.ndarray, index: np.ndarray, integer: np.ndarray, precision: int, axis: int) -> np.ndarray:
+    """One pass along `axis` (0: the height, 1: the width) of an (H, W, 3) image, in 32-bit integers as torchvision's
+    kernel sums (|sum| < 255 * 2 * 2**15 for any filter here): each tap gathered, weighted and added, so that the
+    cost is the taps', not the whole row's."""
+    shape = (-1, 1, 1) if axis == 0 else (1, -1, 1)
+    wide = pixels.astype(np.int32)
+    total = np.full(1, 1 << (precision - 1), dtype=np.int32)
+    for tap in range(index.shape[1]):
+        taken = np.take(wide, index[:, tap], axis=axis)
+        taken *= integer[:, tap].reshape(shape)
+        total = total + taken
+    return np.clip(total >> precision, 0, 255).astype(np.uint8)  # >>: floor, as the kernel's shift of signed sums
 
 
 def resize(pixels: np.ndarray, size: int, mode: str) -> np.ndarray:
