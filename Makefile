@@ -6,7 +6,7 @@ CKPT   := checkpoints/shapes/best.ckpt
 
 .PHONY: install demo test lint bench notebooks clean
 
-install: $(VENV)/.installed-dev  ## create .venv and install captioner with its dev extra (tests, lint, serve)
+install: $(VENV)/.installed-dev  ## create .venv and install captioner with its dev extra (tests, lint, serve, onnx)
 
 $(VENV)/.installed: pyproject.toml  # captioner alone: all that `make demo` needs
 	$(PYTHON) -m venv $(VENV)
