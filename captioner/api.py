@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from captioner.checkpoints import BUNDLED, build_model, export, model_file, resolve
-from captioner.data.images import ImageError, load_image, to_rgb
+from captioner.data.images import ImageError, read_batches
 from captioner.data.vocab import Vocabulary, detokenize
 from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
@@ -108,22 +108,11 @@ class Captioner:
 
         A file that cannot be read yields its ImageError in its place, and the other images are still captioned.
         """
-        batch: list[tuple[str, Image.Image]] = []
-        for item in images:
-            try:
-                if isinstance(item, Image.Image):
-                    batch.append(("<image>", to_rgb(item)))
-                else:
-                    batch.append((str(item), load_image(item)))
-            except ImageError as err:
+        for batch in read_batches(images, batch_size):
+            if isinstance(batch, ImageError):
+                yield batch
+            else:
                 yield from self._run(batch, beam_size, max_len, length_penalty)
-                batch = []
-                yield err
-                continue
-            if len(batch) == batch_size:
-                yield from self._run(batch, beam_size, max_len, length_penalty)
-                batch = []
-        yield from self._run(batch, beam_size, max_len, length_penalty)
 
     def caption(
         self,
@@ -144,8 +133,6 @@ class Captioner:
         return results
 
     def _run(self, batch: list[tuple[str, Image.Image]], beam_size: int, max_len: int, length_penalty: float):
-        if not batch:
-            return
         x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
         with torch.inference_mode():
             out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)

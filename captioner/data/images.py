@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -99,3 +100,29 @@ def find_images(paths: list[str | Path]) -> tuple[list[Path], list[ImageError]]:
         else:
             found.append(path)
     return found, errors
+
+
+def read_batches(
+    images: Iterable[str | Path | Image.Image], batch_size: int
+) -> Iterator[list[tuple[str, Image.Image]] | ImageError]:
+    """Images (paths or PIL images) read in order, as batches of at most `batch_size` (source, RGB image) pairs; a file
+    that cannot be read yields its ImageError in its place, after the batch read before it. One batch is held at once:
+    what both Captioners (torch's and ONNX Runtime's) caption from."""
+    batch: list[tuple[str, Image.Image]] = []
+    for item in images:
+        try:
+            if isinstance(item, Image.Image):
+                batch.append(("<image>", to_rgb(item)))
+            else:
+                batch.append((str(item), load_image(item)))
+        except ImageError as err:
+            if batch:
+                yield batch
+            batch = []
+            yield err
+            continue
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

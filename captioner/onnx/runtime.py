@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from captioner.data.images import ImageError, load_image, to_rgb
+from captioner.data.images import ImageError, read_batches
 from captioner.errors import CaptionerError
 from captioner.onnx.resize import resize
 from captioner.onnx.search import Generation, SearchError, beam_search, greedy_search
@@ -159,20 +159,11 @@ class Captioner:
     ) -> Iterator[CaptionResult | ImageError]:
         """Caption images in batches, in order, holding one batch in memory; a file that cannot be read yields its
         ImageError in its place, and the others are still captioned (`captioner.Captioner.iter_captions`)."""
-        batch: list[tuple[str, Image.Image]] = []
-        for item in images:
-            try:
-                image = to_rgb(item) if isinstance(item, Image.Image) else load_image(item)
-                batch.append(("<image>" if isinstance(item, Image.Image) else str(item), image))
-            except ImageError as err:
+        for batch in read_batches(images, batch_size):
+            if isinstance(batch, ImageError):
+                yield batch
+            else:
                 yield from self._run(batch, beam_size, max_len, length_penalty)
-                batch = []
-                yield err
-                continue
-            if len(batch) == batch_size:
-                yield from self._run(batch, beam_size, max_len, length_penalty)
-                batch = []
-        yield from self._run(batch, beam_size, max_len, length_penalty)
 
     def caption(
         self,
@@ -214,8 +205,6 @@ class Captioner:
         return text
 
     def _run(self, batch, beam_size, max_len, length_penalty) -> Iterator[CaptionResult]:
-        if not batch:
-            return
         images = np.stack([self.preprocess(image) for _, image in batch])
         out = self.generate(self.annotate(images), beam_size, max_len, length_penalty)
         for (source, image), ids, score, alphas in zip(batch, out.ids, out.scores, out.alphas, strict=True):
