@@ -7,8 +7,8 @@ bilinear, Keys' cubic with a = -0.5 for bicubic), widened by the scale when it s
 normalised, then held as 16-bit integers of a precision chosen so that the largest weight fits; one pass along the
 width, then one along the height, each rounded to uint8. This module does the same integer arithmetic: the same
 pixels, to the last bit, as torchvision on this project's machines (tests/test_onnx.py checks photos of several
-sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through
-floats instead, and may differ by a level here and there.
+sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through floats instead, and may differ
+by a level here and there.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, np.ndar
 
 def _pass(pixels: np.ndarray, index: np.ndarray, integer: np.ndarray, precision: int, axis: int) -> np.ndarray:
     """One pass along `axis` (0: the height, 1: the width) of an (H, W, 3) image, in 32-bit integers as torchvision's
-    kernel sums (|sum| < 255 * 2 * 2**15 for any filter here): each tap gathered, weighted and added, so that the
-    cost is the taps', not the whole row's."""
+    kernel sums (the weights' magnitudes add up to at most about 1.2 * 2**precision <= 1.2 * 2**22, so a sum of
+    pixels of 255 stays within 2**31): each tap gathered, weighted and added, so that the cost is the taps', not the
+    whole row's."""
     shape = (-1, 1, 1) if axis == 0 else (1, -1, 1)
     wide = pixels.astype(np.int32)
     total = np.full(1, 1 << (precision - 1), dtype=np.int32)
