@@ -155,8 +155,10 @@ def test_grouped_teacher_forcing_projects_each_image_s_keys_once_and_gives_the_l
         rows = loss_and_gradients(m, True, a.repeat_interleave(k, dim=0), padded, lengths, **options)
         for part_g, part_r in zip(grouped[0], rows[0], strict=True):
             assert torch.allclose(part_g, part_r, rtol=1e-6, atol=1e-7), (part_g, part_r)
+        # Rounding is relative to the largest gradient: v.bias's is zero but for it (softmax ignores a shift)
+        largest = max(float(g.abs().max()) for g in rows[2].values())
         for name in rows[2]:
-            assert torch.allclose(grouped[2][name], rows[2][name], rtol=1e-5, atol=1e-7), name
+            assert torch.allclose(grouped[2][name], rows[2][name], rtol=1e-5, atol=1e-6 * largest), name
     assert projected == [images, images * k] * 2  # once per image, grouped; once per caption, a row each
     m.fixed_shape = True
     projected.clear()
