@@ -54,11 +54,25 @@ def read(path: str | Path, name: str | None = None, mmap: bool = False) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CaptionerError(f"{name}: checkpoint not found") from None
-    except (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, IsADirectoryError, ValueError):
+    except pickle.UnpicklingError as err:
+        raise unpickling_error(name, err) from None
+    except (EOFError, zipfile.BadZipFile, RuntimeError, IsADirectoryError, ValueError):
         raise CaptionerError(f"{name}: not a captioner checkpoint (not a PyTorch checkpoint file)") from None
     if not isinstance(state, dict):
         raise CaptionerError(f"{name}: not a captioner checkpoint")
     return state
+
+
+def unpickling_error(name: str, err: pickle.UnpicklingError) -> CaptionerError:
+    """The one line for a file that torch.load(weights_only=True) would not unpickle: one whose pickle holds objects
+    beyond weights, which could run code when loaded (torch's "Weights only load failed"), or a file that is no
+    pickle at all."""
+    if "weights only" in str(err).lower():
+        return CaptionerError(
+            f"{name}: refused: it holds pickled objects besides weights, which could run code when loaded; captioner "
+            "loads weights only (torch.load(weights_only=True))"
+        )
+    return CaptionerError(f"{name}: not a captioner checkpoint (not a PyTorch checkpoint file)")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import re
 import sys
 from collections.abc import Callable
@@ -150,6 +151,21 @@ def run_lightning_cli(argv: list[str]) -> CaptionerCLI:
             )
     except ArgumentError as err:  # a mistake on the command line or in the config
         raise ConfigError(_one_line(str(err))) from None
+    except pickle.UnpicklingError as err:  # LightningCLI reads --ckpt_path's hyper-parameters (weights only) first
+        from captioner.checkpoints import unpickling_error
+
+        raise unpickling_error(_option_value(argv, "--ckpt_path") or "--ckpt_path", err) from None
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The last value given to `option` on the command line (`--option VALUE` or `--option=VALUE`), if any."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _one_line(message: str) -> str:
@@ -200,7 +216,7 @@ def demo(argv: list[str]) -> None:
     from captioner.lightning_cli import captions_with_overlays, load_module, quiet_lightning
 
     module = load_module(args.checkpoint).eval()
-    datamodule = ShapesDataModule.load_from_checkpoint(args.checkpoint)
+    datamodule = ShapesDataModule.load_from_checkpoint(args.checkpoint, weights_only=True)
     test = datamodule.split("test")
     pictures = [test.load_image(i) for i in range(min(args.samples, len(test)))]
     with torch.inference_mode():

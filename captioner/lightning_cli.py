@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
 import sys
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
 
-from captioner.checkpoints import Fingerprint, read
+from captioner.checkpoints import Fingerprint, read, unpickling_error
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
 from captioner.lit_module import CHECKPOINT, CaptioningModule, gather
@@ -76,11 +77,22 @@ def say(message: str) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, writing beside the checkpoint and renaming it into place (captioner.files).
+    """Lightning's checkpoint writer, writing beside the checkpoint and renaming it into place (captioner.files), and
+    its reader, reading weights only.
 
     Lightning's own writer goes through a temporary file in the system's temp folder, which is moved by copying when
-    that folder is on another file system (a tmpfs /tmp, say): a kill during the copy leaves a torn checkpoint.
+    that folder is on another file system (a tmpfs /tmp, say): a kill during the copy leaves a torn checkpoint. Its
+    reader (`--ckpt_path` of fit, validate, test and predict) unpickles what a file holds when asked to; this one
+    never does (`torch.load(weights_only=True)`), and a file whose pickle would run code is refused in one line.
     """
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        try:
+            if map_location is None:
+                return super().load_checkpoint(path, weights_only=True)
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise unpickling_error(str(path), err) from None
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if "://" in str(path):  # a remote file system: fsspec's transaction, as Lightning does

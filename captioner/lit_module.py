@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import io
 import os
+import pickle
+import tempfile
+from pathlib import Path
 from typing import Literal, get_args
 
 import lightning as L
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
@@ -16,7 +19,9 @@ from captioner.checkpoints import (
     RENAMED,
     Fingerprint,
     load_initial_weights,
+    read,
     renamed,
+    unpickling_error,
     with_encoder,
     without_encoder,
 )
@@ -133,19 +138,34 @@ class CaptioningModule(L.LightningModule):
         self.finite_losses = FiniteLosses(self.where)  # a method, not a lambda: the module stays picklable
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path, map_location=None, **kwargs) -> CaptioningModule:
-        """Lightning's, for a checkpoint written before options were renamed (`captioner.checkpoints.RENAMED`) too:
-        Lightning checks the stored hyper-parameters against this class's options before it makes the module, so
-        old names are read under the current ones first."""
-        if not isinstance(checkpoint_path, (str, os.PathLike)):  # a file object: as it is
-            return super().load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
-        if isinstance(state, dict) and RENAMED.keys() & state.get("hyper_parameters", {}).keys():
-            state["hyper_parameters"] = renamed(state["hyper_parameters"])
-            checkpoint_path = io.BytesIO()
-            torch.save(state, checkpoint_path)
-            checkpoint_path.seek(0)
-        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
+    def load_from_checkpoint(
+        cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs
+    ) -> CaptioningModule:
+        """Lightning's, reading weights only (`torch.load(weights_only=True)`: a file whose pickle would run code is
+        refused in one line), from a local path, a file object or any fsspec URL. A local file written before options
+        were renamed (`captioner.checkpoints.RENAMED`) has its hyper-parameters read under the current names first:
+        Lightning checks them against this class's options before it makes the module. Only they are read for that
+        (the weights are mapped, not read), and handed to Lightning as its `hparams_file`."""
+        if kwargs.pop("weights_only", True) is not True:
+            raise ConfigError("captioner loads checkpoints with weights_only=True only: loading never runs pickled code")
+        local = isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path)
+        if local and hparams_file is None:
+            hparams = read(checkpoint_path, mmap=True).get("hyper_parameters")
+            if isinstance(hparams, dict) and RENAMED.keys() & hparams.keys():
+                with tempfile.TemporaryDirectory() as folder:
+                    hparams_file = Path(folder) / "hparams.yaml"
+                    hparams_file.write_text(yaml.safe_dump(renamed(hparams)))
+                    return cls._load(checkpoint_path, map_location, hparams_file, strict, **kwargs)
+        return cls._load(checkpoint_path, map_location, hparams_file, strict, **kwargs)
+
+    @classmethod
+    def _load(cls, checkpoint_path, map_location, hparams_file, strict, **kwargs) -> CaptioningModule:
+        try:
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+            )
+        except pickle.UnpicklingError as err:
+            raise unpickling_error(str(checkpoint_path), err) from None
 
     def configure_callbacks(self) -> list[Callback]:
         """What every Trainer of this module gets, whether the CLI made it or a script did: the random generators'

@@ -224,3 +224,81 @@ def test_a_file_written_before_the_renames_keeps_its_options_and_old_names_are_r
     assert ran.status == 2 and ran.err.splitlines() == [
         f"error: {config}: model.attention_entropy_weight is now model.attention_entropy_penalty"
     ]
+
+
+class _RunsCode:
+    """An object whose unpickling calls a function: here it touches a file, where a hostile file would run anything."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line_by_every_reader(
+    tmp_path, capfd, tiny_checkpoint
+):
+    """A fit checkpoint with one hostile object beside its weights: every way to read a model file refuses it in one
+    line naming it, and never unpickles the object (the marker file it would touch stays absent). At e647ee0
+    `CaptioningModule.load_from_checkpoint`, and through it `captioner evaluate`, ran it."""
+    from captioner.lit_module import CaptioningModule
+    from tests.conftest import run_main
+
+    marker = tmp_path / "ran"
+    state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    state["hyper_parameters"]["entropy_weight"] = 0.01  # an old name too: the renames' path reads the file first
+    state["payload"] = _RunsCode(marker)
+    hostile = tmp_path / "hostile.ckpt"
+    torch.save(state, hostile)
+    refusal = f"{hostile}: refused: it holds pickled objects besides weights"
+
+    for load in (
+        lambda: Captioner.load(hostile),
+        lambda: export(hostile, tmp_path / "out.pt"),
+        lambda: CaptioningModule.load_from_checkpoint(hostile),
+        lambda: CaptioningModule.load_from_checkpoint(str(hostile), map_location="cpu"),
+    ):
+        with pytest.raises(CaptionerError) as refused:
+            load()
+        assert str(refused.value).startswith(refusal), str(refused.value)
+    del state["hyper_parameters"]["entropy_weight"]
+    torch.save(state, hostile)  # without an old name, Lightning's own reader is the first to read it
+    with pytest.raises(CaptionerError, match="refused: it holds pickled objects"):
+        CaptioningModule.load_from_checkpoint(hostile)
+
+    commands = [
+        ["caption", "docs/images/shapes_test_0.png", "--ckpt_path", str(hostile)],
+        ["evaluate", "--ckpt_path", str(hostile), "--output", str(tmp_path / "eval")],
+        ["export", "--ckpt_path", str(hostile), "--output", str(tmp_path / "out.pt")],
+        ["demo", "--ckpt_path", str(hostile), "--samples", "0"],
+        ["fit", *tiny_fit_args(tmp_path / "init", f"--model.init_from={hostile}")],
+        ["fit", *tiny_fit_args(tmp_path / "resume", "--trainer.max_epochs=2"), "--ckpt_path", str(hostile)],
+        ["test", *tiny_fit_args(tmp_path / "test"), "--ckpt_path", str(hostile)],
+    ]
+    for command in commands:
+        ran = run_main(capfd, *command)
+        errors = [line for line in ran.err.splitlines() if line.startswith("error:")]
+        assert ran.status == 2 and errors and "refused: it holds pickled objects" in errors[0], (command[0], ran.err)
+        assert str(hostile) in errors[0] or "init_from" in errors[0]
+    assert not marker.exists()
+
+
+def test_a_checkpoint_at_an_fsspec_url_loads_through_lightning_s_reader(tiny_checkpoint):
+    """`CaptioningModule.load_from_checkpoint` leaves a URL to Lightning's reader (fsspec), weights only: at e647ee0 it
+    opened every path itself, and a URL was not found."""
+    import fsspec
+
+    from captioner.lit_module import CaptioningModule
+
+    url = "memory://checkpoints/best.ckpt"
+    with fsspec.open(url, "wb") as remote, open(tiny_checkpoint, "rb") as local:
+        remote.write(local.read())
+    try:
+        restored = CaptioningModule.load_from_checkpoint(url, map_location="cpu")
+    finally:
+        fsspec.filesystem("memory").rm(url)
+    original = CaptioningModule.load_from_checkpoint(tiny_checkpoint, map_location="cpu")
+    assert restored.vocab.to_list() == original.vocab.to_list()
+    for name, weight in original.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], weight), name
