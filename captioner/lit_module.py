@@ -147,7 +147,7 @@ class CaptioningModule(L.LightningModule):
         Lightning checks them against this class's options before it makes the module. Only they are read for that
         (the weights are mapped, not read), and handed to Lightning as its `hparams_file`."""
         if kwargs.pop("weights_only", True) is not True:
-            raise ConfigError("captioner loads checkpoints with weights_only=True only: loading never runs pickled code")
+            raise ConfigError("captioner reads checkpoints with weights_only=True: loading never runs pickled code")
         local = isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path)
         if local and hparams_file is None:
             hparams = read(checkpoint_path, mmap=True).get("hyper_parameters")
