@@ -102,6 +102,8 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
     file = model_file(resolve(checkpoint), name)
     model = build_model(file, name).eval()
     model.encoder.fold_batchnorm()
+    if hasattr(model.decoder.attention, "chunked"):  # the additive scorer: one graph for any batch
+        model.decoder.attention.chunked = False
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     # captioner.json, written last, marks the folder complete: a kill mid-export leaves no folder that loads with

@@ -142,3 +142,46 @@ def test_a_checkpoint_written_before_the_generators_states_were_a_callback_resum
     assert all(torch.equal(got[k], want[k]) for k in want)
     other = resumed_from(without, "without")
     assert any(not torch.equal(other[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("mode", ["random", "grouped"])
+def test_a_run_that_draws_captions_resumed_at_an_epoch_s_end_ends_with_the_uninterrupted_run_s_weights(
+    tmp_path, mode, monkeypatch
+):
+    """`train_captions: random` and `grouped` read the cache's batches ahead in a thread (prefetch 2), and each epoch
+    is cut short (limit_train_batches) while that thread reads ahead, here slowly, as on a busy machine: the resumed
+    run still draws the captions the uninterrupted one drew. At e647ee0 the thread drew from Python's generator, and
+    the checkpoint kept that generator's state before the thread's last draws, which the uninterrupted run made."""
+    import threading
+    import time
+
+    from captioner.data.dataset import CaptionDataset
+
+    read = CaptionDataset.__getitems__
+
+    def slow_ahead(self, indices):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return read(self, indices)
+
+    monkeypatch.setattr(CaptionDataset, "__getitems__", slow_ahead)
+    options = [
+        f"--data.init_args.train_captions={mode}",
+        "--data.init_args.captions_per_image=2",  # grouped: two of each image's five captions drawn
+        "--data.init_args.train_size=48",
+        "--trainer.limit_train_batches=2",  # of 3 batches of 16 images
+        f"--data.init_args.data_dir={tmp_path / 'data'}",
+    ]  # (no cosine schedule: its length is max_epochs, which differs between the first run's parts)
+
+    def fit(name: str, epochs: int, *extra: str) -> dict[str, torch.Tensor]:
+        args = tiny_fit_args(tmp_path / name, *options, f"--trainer.max_epochs={epochs}", *extra)
+        trainer = run_lightning_cli(["fit", *args]).trainer
+        assert trainer.global_step == 2 * epochs
+        return {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+    whole = fit("whole", 2)
+    fit("resumed", 1)
+    resumed = fit("resumed", 2, "--ckpt_path=last")
+    assert whole.keys() == resumed.keys()
+    for name, weight in whole.items():
+        assert torch.equal(resumed[name], weight), name

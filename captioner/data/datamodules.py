@@ -214,7 +214,8 @@ class CaptionDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=workers,
-            persistent_workers=workers > 0,
+            # Workers made anew each epoch get the dataset with that epoch's seed of caption draws (`new_epoch`)
+            persistent_workers=workers > 0 and not dataset.draws,
             collate_fn=collate,
             pin_memory=dataset.inputs.pin,
         )

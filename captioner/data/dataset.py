@@ -100,6 +100,24 @@ class CaptionDataset(Dataset):
         self.inputs: Inputs | None = None  # given by the datamodule when its loader is made
         counts = captions.counts.tolist()
         self.items = [(i, j) for i, n in enumerate(counts) for j in range(n)] if mode == "all" else None
+        self.epoch_seed = 0  # the seed of this epoch's caption draws (`new_epoch`)
+
+    @property
+    def draws(self) -> bool:
+        """Whether its items draw captions at random ("random" and "grouped")."""
+        return self.mode in ("random", "grouped")
+
+    def new_epoch(self, seed: int) -> None:
+        """Called by the loader as an epoch's iterator is made, in the training loop's thread, with a seed drawn there
+        from Python's generator (`PrefetchingLoader`). Each image's caption draws are a function of that seed and the
+        image alone (`_generator`), not of a shared generator's history: they are the same whichever thread or worker
+        makes them, however far it reads ahead, and an epoch cut short (`limit_train_batches`) leaves nothing
+        behind that the next epoch, or a resumed run, would draw differently."""
+        self.epoch_seed = seed
+
+    def _generator(self, image: int) -> random.Random:
+        """Image `image`'s generator of this epoch's caption draws."""
+        return random.Random(self.epoch_seed * 2**40 + image)
 
     def __len__(self) -> int:
         return len(self.items) if self.items is not None else len(self.captions)
@@ -108,15 +126,18 @@ class CaptionDataset(Dataset):
         """Item `index`'s (image, caption); in "random" mode the caption is drawn here, one draw per item."""
         if self.items is not None:
             return self.items[index]
-        return index, random.randrange(int(self.captions.counts[index])) if self.mode == "random" else 0
+        return index, self._generator(index).randrange(int(self.captions.counts[index])) if self.mode == "random" else 0
 
     def _draw(self, image: int) -> list[int]:
         """The "grouped" mode's k captions of `image`: all of them, in order, when it has k; k of them drawn without
         replacement when it has more; all, then the rest drawn with replacement, when it has fewer."""
         count, k = int(self.captions.counts[image]), self.captions_per_image
+        if count == k:
+            return list(range(count))
+        generator = self._generator(image)
         if count > k:
-            return random.sample(range(count), k)
-        return list(range(count)) + random.choices(range(count), k=k - count)
+            return generator.sample(range(count), k)
+        return list(range(count)) + generator.choices(range(count), k=k - count)
 
     def _about(self, image: int) -> dict:
         """What evaluation reads of an image besides its input and caption; nothing for training."""

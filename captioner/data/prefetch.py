@@ -9,10 +9,11 @@ step's Python and the read overlap, and a batch is ready when the step asks for 
 The batches are the same, in the same order: the thread runs the same iterator (sampler, fetch, pinning) that the
 loader would run in the main process. The first batch is read in the calling thread, so that the sampler's draw of
 its shuffling seed from the global generator happens where and when it would without prefetching; after that the
-iterator draws from its own generator, and the random caption draws of `train_captions: random` and `grouped`
-(Python's `random`) are made in order, batch after batch, by the one thread. A new epoch first stops the last one's
-thread and waits for it to leave the batch it is reading: an epoch cut short (`limit_train_batches`) would otherwise
-still be reading ahead, and drawing, while the next one draws.
+iterator draws from its own generator. The random caption draws of `train_captions: random` and `grouped` touch no
+shared generator: each epoch's seed is drawn in the calling thread when its iterator is made, and each image's draws
+are a function of that seed and the image (`CaptionDataset.new_epoch`), whoever reads it and however far ahead. A new
+epoch first stops the last one's thread and waits for it to leave the batch it is reading: an epoch cut short
+(`limit_train_batches`) would otherwise still be reading ahead while the next one reads.
 
 At exit the process waits for its read-ahead threads to finish the batch they are reading (`_stop_all`). A daemon
 thread still inside a torch op when Python finalizes would be ended by `pthread_exit` as it takes the GIL back, and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import queue
+import random
 import threading
 import weakref
 from collections.abc import Iterator
@@ -153,6 +155,8 @@ class PrefetchingLoader(DataLoader):
         previous = self._reading() if self._reading is not None else None
         if previous is not None:  # an epoch cut short: it stops reading before this one begins
             previous.close()
+        if hasattr(self.dataset, "new_epoch"):  # its draws' seed, from this thread's generator, before any worker
+            self.dataset.new_epoch(random.getrandbits(64))  # is made (`CaptionDataset.new_epoch`)
         iterator = super().__iter__()
         if self.prefetch < 1 or self.num_workers > 0:
             return iterator

@@ -36,6 +36,7 @@ class AdditiveAttention(nn.Module):
         self.W = nn.Linear(encoder_dim, attention_dim)
         self.U = nn.Linear(decoder_dim, attention_dim, bias=False)  # W carries the bias
         self.v = nn.Linear(attention_dim, 1)
+        self.chunked = True  # decoding builds W a + U h a few images at a time (`forward`); an export sets False
 
     def project(self, annotations: torch.Tensor) -> torch.Tensor:
         return 2 * self.W(annotations)  # 2 W a_i: (B,P,A)
@@ -46,8 +47,9 @@ class AdditiveAttention(nn.Module):
         w, b = 2 * self.v.weight.squeeze(0), self.v.bias - self.v.weight.sum()  # (A,), (1,)
         # 2 W a + 2 U h is (B,G,P,A), the largest tensor of a step. Decoding builds it a few images at a time, so
         # that each piece is used while it is in cache; training builds it whole, as autograd keeps it anyway, and so
-        # does an exported graph (captioner.onnx_export), whose batch is a dynamic axis rather than the example's.
-        if torch.is_grad_enabled() or torch.compiler.is_exporting():
+        # does an exported graph (captioner.onnx_export sets `chunked` False), whose batch is a dynamic axis rather
+        # than the example's.
+        if torch.is_grad_enabled() or not self.chunked:
             return (keys.unsqueeze(1) + uh.unsqueeze(2)).sigmoid_() @ w + b  # (B,G,P,A) -> (B,G,P)
         n = max(1, CHUNK // (uh.size(1) * P * A))
         pieces = [
