@@ -64,7 +64,10 @@ def test_a_url_and_a_folder_without_images_are_one_line_each_and_the_rest_is_cap
 
 def test_impossible_decoding_settings_are_one_line(tiny_model, tmp_path, capfd):
     image = write_good_images(tmp_path / "x")[0]
-    for args, message in ((["--beam-size", "100000"], "larger than the vocabulary"), (["--max-len", "0"], "max_len")):
+    for args, message in (
+        (["--beam-size", "100000"], "words this vocabulary can generate"),
+        (["--max-len", "0"], "max_len"),
+    ):
         ran = run_main(capfd, "caption", str(image), "--checkpoint", tiny_model, *args)
         assert ran.status == 2 and "Traceback" not in ran.err, ran.err
         (line,) = ran.err.strip().splitlines()

@@ -356,11 +356,18 @@ def _beam_words(
     return state, torch.stack(parents), torch.stack(tokens), torch.stack(alphas)
 
 
+def check_beam_size(K: int, V: int) -> None:
+    """A beam can hold at most the V - 2 words a search can choose (never <pad> or <start>): a wider one would keep
+    hypotheses of probability 0 ending in <pad> or <start>, fed back as the next words, and which of them it keeps
+    depends on how top-k orders ties."""
+    if K > V - 2:
+        raise ConfigError(f"beam size {K} is larger than the {V - 2} words this vocabulary can generate (of {V})")
+
+
 def finished_extension(K: int, V: int, pad_index: int, device: torch.device) -> torch.Tensor:
     """The log-probabilities (V,) of a finished hypothesis's next word: 0 for <pad>, -inf for every other word. Also
-    where the vocabulary's size is first known, so where a beam wider than it is refused."""
-    if K > V:
-        raise ConfigError(f"beam size {K} is larger than the vocabulary ({V} words)")
+    where the vocabulary's size is first known, so where a beam wider than the words it can choose is refused."""
+    check_beam_size(K, V)
     finished_log_probs = torch.full((V,), float("-inf"), device=device)
     finished_log_probs[pad_index] = 0.0
     return finished_log_probs

@@ -112,8 +112,8 @@ def beam_search(
         A, G = tokens.shape
         log_probs, h, c, alpha = step(tokens, h, c, annotations, keys)  # (A,G,V), (A,G,D) x2, (A,G,P)
         V = log_probs.shape[2]
-        if t == 0 and K > V:
-            raise SearchError(f"beam size {K} is larger than the vocabulary ({V} words)")
+        if t == 0 and K > V - 2:  # never <pad> or <start> (`captioner.models.decoding.check_beam_size`)
+            raise SearchError(f"beam size {K} is larger than the {V - 2} words this vocabulary can generate (of {V})")
         log_probs[:, :, [pad, start]] = -np.inf  # never generated
         log_probs[finished] = -np.inf  # a finished hypothesis's next word is <pad>, at no cost
         log_probs[finished, pad] = 0.0
@@ -155,9 +155,10 @@ def beam_search(
 
 
 def top_k(ranking: np.ndarray, k: int) -> np.ndarray:
-    """Each row's k largest entries' indices, largest first; of equal values, the lower index first (torch.topk
-    orders them as its kernel happens to: only exact ties, which a trained model's floats do not make, may go
-    another way than the torch search's)."""
+    """Each row's k largest entries' indices, largest first, equal values among them in index order. Which of several
+    entries equal to the k-th largest are chosen is argpartition's choice, as it is torch.topk's kernel's in the
+    torch search, which orders ties as it happens to: only exact ties, which a trained model's floats do not make,
+    may go another way there."""
     if k < ranking.shape[1]:
         part = np.argpartition(-ranking, k - 1, axis=1)[:, :k]
     else:
