@@ -232,9 +232,8 @@ def check(model: ShowAttendTell, folder: Path, name: str) -> None:
     for (graph, sizes), outputs in want.items():
         for output, w, g in zip(OUTPUTS[graph], outputs, got[graph, sizes], strict=True):
             if tuple(g.shape) != tuple(w.shape):
-                raise CaptionerError(
-                    f"{name}: the exported {graph} graph's {output} are {tuple(g.shape)}, not {tuple(w.shape)} ({sizes})"
-                )
+                shapes = f"{tuple(g.shape)}, not {tuple(w.shape)}"
+                raise CaptionerError(f"{name}: the exported {graph} graph's {output} are {shapes} ({sizes})")
             error = (torch.from_numpy(g) - w).abs()
             if output == "log_probs":
                 error = error.masked_fill(torch.maximum(w, torch.from_numpy(g)) <= LOG_PROB_FLOOR, 0.0)
