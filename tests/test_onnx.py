@@ -381,24 +381,70 @@ def test_int8_quantizes_the_step_and_still_captions(shapes_onnx, tmp_path):
     assert result.tokens and result.alphas.shape == (len(result.tokens), 196)
 
 
+INTACT = """
+import base64, hashlib, importlib.metadata, sys
+files = importlib.metadata.distribution(sys.argv[1]).files
+changed = []
+for f in files:
+    if f.hash is not None:
+        path = f.locate()
+        digest = hashlib.new(f.hash.mode, path.read_bytes()).digest() if path.exists() else b""
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != f.hash.value:
+            changed.append(str(f))
+print(len(files), changed)
+"""
+
+
 @pytest.mark.ci
-def test_deploy_installs_without_torch_and_captions(shapes_onnx, tmp_path):
+def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shapes_onnx, tmp_path):
     """deploy/ in a fresh virtual environment: pip installs numpy, Pillow and onnxruntime, never torch, and the
-    issue's command captions there."""
+    README's command captions there. Then the full package joins it, and each is uninstalled in turn, in both orders:
+    every file each installed is still there with the bytes it installed (its RECORD's hashes), and the one left
+    captions. (At e647ee0 both installed captioner/__init__.py, errors.py, data/images.py and onnx/: the second install
+    overwrote the first's, and an uninstall removed the other's.)"""
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     python = env / "bin" / "python"
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", str(REPO / "deploy")], capture_output=True, text=True, timeout=600
-    )
-    assert install.returncode == 0, install.stderr[-3000:]
+    # pip builds a folder in place: the packages are built from a copy, so that no build/ lands in the repository
+    source = tmp_path / "source"
+    for name in ("captioner", "deploy"):
+        shutil.copytree(REPO / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+
+    def pip(*args: str) -> None:
+        ran = subprocess.run([python, "-m", "pip", *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+
+    def captions(module: str) -> None:
+        code = (
+            f"import sys; from {module} import Captioner; "
+            f"print(Captioner({str(shapes_onnx)!r}).caption([{str(SAMPLE)!r}])[0].text); "
+            "assert 'torch' not in sys.modules"
+        )
+        ran = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0 and ran.stdout.startswith("there is"), (module, ran.stderr[-3000:])
+
+    def intact(*distributions: str) -> None:
+        for name in distributions:
+            ran = subprocess.run([python, "-c", INTACT, name], cwd=tmp_path, capture_output=True, text=True)
+            assert ran.returncode == 0 and ran.stdout.split(" ", 1)[1].strip() == "[]", (name, ran.stdout, ran.stderr)
+
+    pip("install", "--quiet", str(source / "deploy"))
     listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True)
     installed = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert "onnxruntime" in installed and not {"torch", "torchvision", "lightning"} & installed, installed
-    code = (
-        "import sys; from captioner.onnx import Captioner; "
-        f"print(Captioner({str(shapes_onnx)!r}).caption([{str(SAMPLE)!r}])[0].text); "
-        "assert 'torch' not in sys.modules"
-    )
-    ran = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0 and ran.stdout.startswith("there is"), ran.stderr[-3000:]
+    captions("captioner_onnx")
+    # The full package beside it (without its dependencies: what is checked is whose files are whose), then either
+    # one removed: deploy first, then the full package
+    pip("install", "--quiet", "--no-deps", str(source))
+    intact("captioner", "captioner-onnx")
+    captions("captioner_onnx"), captions("captioner.onnx")
+    pip("uninstall", "--yes", "captioner-onnx")
+    intact("captioner")
+    captions("captioner.onnx")
+    pip("install", "--quiet", str(source / "deploy"))  # the other order: the full package first
+    intact("captioner", "captioner-onnx")
+    pip("uninstall", "--yes", "captioner")
+    intact("captioner-onnx")
+    captions("captioner_onnx")

@@ -10,7 +10,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from captioner.errors import CaptionerError
+from ..errors import CaptionerError  # relative: deploy/ installs this file as captioner_onnx.data.images
 
 SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif")
 IMAGE_SUFFIXES = set(SUFFIXES)

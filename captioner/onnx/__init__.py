@@ -7,6 +7,6 @@ Pillow (`Captioner`). Importing this package imports no torch (tests/test_onnx.p
     results[0].text, results[0].score, results[0].alphas, results[0].grid_hw
 """
 
-from captioner.onnx.runtime import Captioner, CaptionResult, is_export
+from .runtime import Captioner, CaptionResult, is_export
 
 __all__ = ["CaptionResult", "Captioner", "is_export"]

@@ -18,10 +18,11 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from captioner.data.images import ImageError, read_batches
-from captioner.errors import CaptionerError
-from captioner.onnx.resize import resize
-from captioner.onnx.search import Generation, SearchError, beam_search, greedy_search
+# Relative imports: the same files are `captioner.onnx` in the full package and `captioner_onnx.onnx` in deploy/
+from ..data.images import ImageError, read_batches
+from ..errors import CaptionerError
+from .resize import resize
+from .search import Generation, SearchError, beam_search, greedy_search
 
 FORMAT = 1  # the captioner.json layout read here (captioner.onnx_export.FORMAT)
 GRAPHS = ("encoder", "start", "step")

@@ -1,1 +1,0 @@
-../../captioner/__init__.py

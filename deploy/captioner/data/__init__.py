@@ -1,1 +1,0 @@
-../../../captioner/data/__init__.py

@@ -1,0 +1,1 @@
+"""Image reading: the full package's `captioner.data.images`."""
