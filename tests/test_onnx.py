@@ -408,7 +408,8 @@ def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shap
     # pip builds a folder in place: the packages are built from a copy, so that no build/ lands in the repository
     source = tmp_path / "source"
     for name in ("captioner", "deploy"):
-        shutil.copytree(REPO / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "build"))
+        leftovers = shutil.ignore_patterns("__pycache__", "build")
+        shutil.copytree(REPO / name, source / name, symlinks=True, ignore=leftovers)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
 
