@@ -66,6 +66,22 @@ def test_files(tmp_path_factory) -> list[Path]:
     return paths
 
 
+def test_the_resize_of_a_large_photo_needs_less_memory_than_twice_the_photo():
+    """A 12-megapixel photo resized to 224: beside the photo, the resize's numpy arrays peak below twice its own uint8
+    size (tracemalloc sees numpy's allocations). At e647ee0 it widened the whole photo to int32 first: 4x the photo,
+    about 1 GB at PIL's pixel limit. (benchmarks/resize.py measures its time against torchvision's.)"""
+    import tracemalloc
+
+    pixels = np.random.default_rng(0).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        resize(pixels, 224, "bicubic")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * pixels.nbytes, peak / pixels.nbytes
+
+
 def test_importing_and_captioning_imports_no_torch(shapes_onnx):
     """The issue's command, in a process of its own: it captions, and torch is never imported."""
     code = (

@@ -65,15 +65,19 @@ def weights(in_size: int, out_size: int, mode: str) -> tuple[np.ndarray, np.ndar
 def _pass(pixels: np.ndarray, index: np.ndarray, integer: np.ndarray, precision: int, axis: int) -> np.ndarray:
     """One pass along `axis` (0: the height, 1: the width) of an (H, W, 3) image, in 32-bit integers as torchvision's
     kernel sums (the weights' magnitudes add up to at most about 1.2 * 2**precision <= 1.2 * 2**22, so a sum of
-    pixels of 255 stays within 2**31): each tap gathered, weighted and added, so that the cost is the taps', not the
-    whole row's."""
+    pixels of 255 stays within 2**31): each tap's pixels gathered as they are (uint8), then widened, weighted and
+    added, so that the cost is the taps', not the whole row's, and the photo itself is never copied wider: beside it,
+    a pass holds its output's sum (4 bytes a value) and one tap's gathered pixels (5), each the output's size."""
     shape = (-1, 1, 1) if axis == 0 else (1, -1, 1)
-    wide = pixels.astype(np.int32)
-    total = np.full(1, 1 << (precision - 1), dtype=np.int32)
+    total = None
     for tap in range(index.shape[1]):
-        taken = np.take(wide, index[:, tap], axis=axis)
+        taken = np.take(pixels, index[:, tap], axis=axis).astype(np.int32)  # (out along axis, the rest) widened
         taken *= integer[:, tap].reshape(shape)
-        total = total + taken
+        if total is None:
+            total = taken
+            total += 1 << (precision - 1)  # the kernel's rounding
+        else:
+            total += taken
     return np.clip(total >> precision, 0, 255).astype(np.uint8)  # >>: floor, as the kernel's shift of signed sums
 
 
