@@ -13,15 +13,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
-from captioner.checkpoints import BUNDLED, build_model, export, model_file, resolve
+from captioner.checkpoints import BUNDLED, build_model, export, locate, model_file
 from captioner.data.images import ImageError, read_batches
 from captioner.data.vocab import Vocabulary, detokenize
+from captioner.errors import ConfigError
 from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
+
+if TYPE_CHECKING:
+    from captioner import onnx
 
 __all__ = ["BUNDLED", "CaptionResult", "Captioner", "export"]
 
@@ -88,10 +93,22 @@ class Captioner:
         device: torch.device | str | None = None,
         compile_decoder: bool = False,
         compile_encoder: bool = False,
-    ) -> Captioner:
+    ) -> Captioner | onnx.Captioner:
         """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
-        checkpoint (.ckpt)."""
-        path = resolve(checkpoint)
+        checkpoint (.ckpt); or a folder of `captioner export --format onnx`, whose `captioner.onnx.Captioner` (ONNX
+        Runtime's, with the same `caption`, `iter_captions`, `image_size` and `grid_hw`) is returned. What the name
+        means is decided by `captioner.checkpoints.locate`, for every command and this API alike."""
+        located = locate(checkpoint)
+        if located.onnx:
+            if device is not None or compile_decoder or compile_encoder:
+                raise ConfigError(
+                    f"{checkpoint}: an ONNX export runs on ONNX Runtime, without torch's device and compile options: "
+                    "captioner.onnx.Captioner(folder, providers=[...]) chooses its providers"
+                )
+            from captioner.onnx import Captioner as OnnxCaptioner
+
+            return OnnxCaptioner(located.path)
+        path = located.path
         file = model_file(path)
         model = build_model(file, str(path))
         return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)

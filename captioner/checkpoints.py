@@ -35,12 +35,54 @@ ASSETS = Path(__file__).parent / "assets"
 BUNDLED = {"shapes": ASSETS / "shapes.pt"}  # the models that ship with the package, by name
 
 
+EXPORT_CONFIG = "captioner.json"  # what marks a folder of `captioner export --format onnx` (written last)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a model named by the user is: a torch model file (a fit checkpoint, an export, a bundled model's file),
+    or a folder of ONNX graphs (`onnx`)."""
+
+    path: Path
+    onnx: bool = False
+
+
+def locate(checkpoint: str | Path) -> Located:
+    """The one rule for what `--ckpt_path`, `Captioner.load` and `init_from` name, used by every command and the API:
+
+    1. a bundled model's name ("shapes") is that model, unless a model file or ONNX export folder of that name is in
+       the working directory too: then it is refused in one line, for the user to say which (`./shapes` is the
+       path; a path spelled with a folder, absolute or not, is never a bundled name);
+    2. a folder holding `captioner.json` is an ONNX export; another folder is refused in one line;
+    3. anything else is a torch model file (a missing one is said when it is read).
+    """
+    name, path = str(checkpoint), Path(checkpoint)
+    model_here = path.is_file() or (path / EXPORT_CONFIG).is_file()
+    if name in BUNDLED:
+        if model_here:
+            raise CaptionerError(
+                f"{name!r} is both the bundled model's name and a model in this folder: write ./{name} for this "
+                "folder's, or another path"
+            )
+        if not BUNDLED[name].exists():
+            raise CaptionerError(f"the bundled {name!r} model is missing at {BUNDLED[name]}; see README, 'Caption'")
+        return Located(BUNDLED[name])
+    if path.is_dir():
+        if not (path / EXPORT_CONFIG).is_file():
+            raise CaptionerError(
+                f"{path}: a folder without {EXPORT_CONFIG}, so not a model that `captioner export --format onnx` wrote"
+            )
+        return Located(path, onnx=True)
+    return Located(path)
+
+
 def resolve(checkpoint: str | Path) -> Path:
-    """A bundled model's name ("shapes") -> its file; any other path as it is."""
-    path = BUNDLED.get(str(checkpoint), Path(checkpoint))
-    if str(checkpoint) in BUNDLED and not path.exists():
-        raise CaptionerError(f"the bundled {checkpoint!r} model is missing at {path}; see README, 'Caption'")
-    return path
+    """The torch model file that `checkpoint` names (`locate`); an ONNX export folder is refused in one line, where a
+    torch model is needed (export, init_from, evaluation)."""
+    located = locate(checkpoint)
+    if located.onnx:
+        raise CaptionerError(f"{checkpoint}: an ONNX export folder; this needs a torch model file (a checkpoint)")
+    return located.path
 
 
 BASELINE = "reward_baseline"  # hard attention's running baseline b (a buffer)
@@ -224,7 +266,7 @@ def load_initial_weights(model: ShowAttendTell, path: str | Path, vocab: list[st
     or not: the file's weights are the run's). Its vocabulary must be `vocab`, and its architecture the model's; else a
     one-line error naming both."""
     name = f"--model.init_from {path}"
-    file = model_file(path, name)
+    file = model_file(resolve(path), name)
     if file.vocab != list(vocab):
         pairs = enumerate(zip(file.vocab, vocab, strict=False))  # the shorter one's length if one is the other's start
         first = next((i for i, (a, b) in pairs if a != b), min(len(file.vocab), len(vocab)))

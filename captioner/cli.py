@@ -263,12 +263,7 @@ def caption(argv: list[str]) -> int:
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    if args.checkpoint and Path(args.checkpoint).is_dir():  # a folder of `captioner export --format onnx`
-        from captioner.onnx import Captioner as OnnxCaptioner  # onnxruntime's: the same captions and attention
-
-        captioner = OnnxCaptioner(args.checkpoint)
-    else:
-        captioner = Captioner.load(_bundled_unless_given(args.checkpoint))
+    captioner = Captioner.load(_bundled_unless_given(args.checkpoint))  # an ONNX export folder: ONNX Runtime's
     paths, errors = find_images(args.paths)
     # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
     progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)

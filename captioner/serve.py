@@ -314,12 +314,7 @@ def serve(
 ) -> None:
     import uvicorn
 
-    if Path(checkpoint).is_dir():  # a folder of `captioner export --format onnx`: ONNX Runtime's search
-        from captioner.onnx import Captioner as OnnxCaptioner
-
-        captioner = OnnxCaptioner(checkpoint)
-    else:
-        captioner = Captioner.load(checkpoint)
+    captioner = Captioner.load(checkpoint)  # a folder of `captioner export --format onnx`: ONNX Runtime's search
     app = create_app(captioner, max_upload_mb, max_batch, max_pixels, timeout)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")

@@ -24,6 +24,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from captioner import Captioner as TorchCaptioner
+from captioner.checkpoints import export
 from captioner.data.images import load_image
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import CaptionerError, ConfigError
@@ -465,3 +466,32 @@ def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shap
     pip("uninstall", "--yes", "captioner")
     intact("captioner-onnx")
     captions("captioner_onnx")
+
+
+def test_one_rule_says_what_a_model_name_means_for_every_command_and_the_api(shapes_onnx, tmp_path, capfd, monkeypatch):
+    """`captioner.checkpoints.locate`: a folder named like the bundled model that holds no model does not shadow it
+    (at e647ee0 `--ckpt_path shapes` then failed on the folder); one that holds an export makes the bare name
+    ambiguous, refused in one line, and `./shapes` is the folder; another folder is one line; `Captioner.load` takes
+    an export folder too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shapes").mkdir()  # e.g. a folder of shapes images: not a model
+    image = str(SAMPLE)
+    ran = run_main(capfd, "caption", image, "--ckpt_path", "shapes")
+    assert ran.status == 0 and ran.out.split("\t")[1].startswith("there is"), ran.err
+    shutil.copytree(shapes_onnx, tmp_path / "shapes", dirs_exist_ok=True)  # now an export
+    for command in (["caption", image], ["serve"], ["export", "--output", "x.pt"]):
+        ran = run_main(capfd, *command, "--ckpt_path", "shapes")
+        assert ran.status == 2 and ran.err.splitlines() == [
+            "error: 'shapes' is both the bundled model's name and a model in this folder: write ./shapes for this "
+            "folder's, or another path"
+        ], (command, ran.err)
+    ran = run_main(capfd, "caption", image, "--ckpt_path", "./shapes")
+    assert ran.status == 0 and ran.out.split("\t")[1].startswith("there is"), ran.err
+    assert isinstance(TorchCaptioner.load("./shapes"), Captioner)  # captioner.onnx's
+    (tmp_path / "other").mkdir()
+    ran = run_main(capfd, "caption", image, "--ckpt_path", "other")
+    assert ran.status == 2 and ran.err.splitlines() == [
+        "error: other: a folder without captioner.json, so not a model that `captioner export --format onnx` wrote"
+    ], ran.err
+    with pytest.raises(CaptionerError, match="an ONNX export folder; this needs a torch model file"):
+        export("./shapes", tmp_path / "x.pt")  # `captioner export`'s own: from a torch model only
