@@ -96,12 +96,15 @@ class DiskCache:
         return self.damage()
 
     def read_bad(self) -> set[int]:
-        """The unreadable images meta.json records. Raises ValueError when it is not an object whose "bad" is a list
-        of image indices."""
+        """The unreadable images meta.json records: none where it has no "bad" (a cache written before it recorded
+        them, which is as usable as one written now). Raises ValueError when it is not an object, or its "bad" not a
+        list of image indices."""
         meta = json.loads(self.meta.read_text())
-        bad = meta.get("bad") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+        bad = meta.get("bad", [])
         if not isinstance(bad, list) or not all(isinstance(index, int) for index in bad):
-            raise ValueError('not an object whose "bad" is a list of image indices')
+            raise ValueError('its "bad" is not a list of image indices')
         return set(bad)
 
     def open(self) -> bool:

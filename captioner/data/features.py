@@ -204,11 +204,6 @@ class FeatureCache(DiskCache):
         array.flush()
         return array, bad
 
-    def bad_indices(self) -> set[int]:
-        """Images that could not be read when the cache was built (meta.json's list). Raises ValueError when meta.json
-        is not JSON, or not an object whose "bad" is a list of indices."""
-        return self.read_bad() if self.meta.exists() else set()
-
     def dtype(self) -> np.dtype:
         """The array's type as meta.json records it (float16 for caches written before it did)."""
         meta = json.loads(self.meta.read_text()) if self.meta.exists() else {}

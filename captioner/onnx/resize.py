@@ -7,8 +7,9 @@ bilinear, Keys' cubic with a = -0.5 for bicubic), widened by the scale when it s
 normalised, then held as 16-bit integers of a precision chosen so that the largest weight fits; one pass along the
 width, then one along the height, each rounded to uint8. This module does the same integer arithmetic: the same
 pixels, to the last bit, as torchvision on this project's machines (tests/test_onnx.py checks photos of several
-sizes, down and up). On a CPU without AVX2, torchvision's bilinear resize goes through floats instead, and may differ
-by a level here and there.
+sizes, down and up, against torch 2.14; torch 2.7's bilinear kernel, the oldest pyproject.toml allows, rounds a few
+pixels a level apart). On a CPU without AVX2, torchvision's bilinear resize goes through floats instead, and may
+differ by a level here and there.
 """
 
 from __future__ import annotations

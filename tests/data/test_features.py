@@ -74,7 +74,7 @@ def infinite(cache: FeatureCache) -> None:
         (truncate, r"damaged \(annotations\.npy: .*file size.*\)"),  # numpy's words
         (wrong_shape, r"damaged \(annotations\.npy is float16 of shape \(3, 2, 5\), not float16 \(4, 49, 1280\)\)"),
         (corrupt_meta, r"damaged \(meta\.json: Expecting value: .*\)"),  # json's
-        (meta_not_a_dict, r'damaged \(meta\.json: not an object whose "bad" is a list of image indices\)'),
+        (meta_not_a_dict, r"damaged \(meta\.json: not a JSON object\)"),
         (infinite, r"damaged \(annotations\.npy holds non-finite values\)"),
     ],
 )
@@ -93,6 +93,21 @@ def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, 
     assert cache.problem() is None
     assert json.loads((cache.dir / "meta.json").read_text())["bad"] == []
     assert torch.equal(annotations(again), expected)  # the same as the first build's
+
+
+def test_a_cache_written_before_meta_json_recorded_unreadable_images_is_used_as_it_is(tmp_path, encoder, caplog):
+    """A cache whose meta.json has no "bad" (written before it recorded the unreadable images; a COCO cache takes
+    hours to build) is opened, not built again. At e647ee0 it was called damaged and rebuilt, with a warning."""
+    module, cache = cached_module(tmp_path, encoder)
+    meta = json.loads(cache.meta.read_text())
+    del meta["bad"]
+    cache.meta.write_text(json.dumps(meta))
+    built = cache.path.stat().st_mtime_ns
+    with caplog.at_level(logging.WARNING, logger="captioner.data"):
+        again, _ = cached_module(tmp_path, encoder)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
+    assert cache.path.stat().st_mtime_ns == built and "bad" not in json.loads(cache.meta.read_text())
+    assert torch.equal(annotations(again), annotations(module))
 
 
 class Scaled:
