@@ -28,8 +28,10 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
+from filelock import Timeout
 from PIL import Image
 
+from captioner.errors import CaptionerError
 from captioner.files import build_lock, write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -116,17 +118,25 @@ class DiskCache:
 
     def ensure(self, **options) -> None:
         """Build the cache unless a usable one is there (a damaged one is named in a warning and built again), holding
-        its lock file: of two processes that need it, one builds and the other then opens it. Raises OSError when it
-        cannot be written (its folder, or too little disk: said before anything is written)."""
+        its lock file: of two processes that need it, one builds and the other then opens it. A whole cache is
+        opened first, without the lock: one in a folder that cannot be written (a shared, read-only dataset) is used.
+        Raises OSError when it cannot be written (its folder, or too little disk: said before anything is
+        written)."""
+        if self.open():
+            return
         self.dir.mkdir(parents=True, exist_ok=True)  # first, so that a warning names the folder that cannot be made
         with build_lock(self.dir):
-            problem = self.problem()
-            if problem is None:
-                self.bad = self.read_bad()
-                return
-            if problem != "missing":
-                log.warning("%s: %s %s; building it again", self.dir, self.kind, problem)
-            self.build(**options)
+            self.build_unless_usable(**options)
+
+    def build_unless_usable(self, **options) -> None:
+        """`ensure`'s work, under the lock its caller holds."""
+        problem = self.problem()
+        if problem is None:
+            self.bad = self.read_bad()
+            return
+        if problem != "missing":
+            log.warning("%s: %s %s; building it again", self.dir, self.kind, problem)
+        self.build(**options)
 
     def build(self, **options) -> None:
         """Write the cache (`write`) and publish it (the module's docstring), its marker removed first; a build that
@@ -174,26 +184,72 @@ def shared(cache: DiskCache, trainer, fallback: str, **options) -> bool:
     cannot be written (a full disk, a folder that cannot be made): `fallback` says what is used instead.
 
     Without a Trainer, or in one process, this process builds it. Under DDP, local rank 0 builds it while the other
-    ranks wait at a barrier; they then only open what it built (never build it themselves), and every rank's outcome
-    is reduced through the strategy: all use the cache, or all fall back together, so that no two ranks train on
-    different inputs. Two processes that need one cache and share no Trainer (two runs on one data_dir) take turns
-    through its lock file (`DiskCache.ensure`)."""
+    ranks wait, and they then only open what it built (never build it themselves):
+
+    - they wait on the cache's lock file, which the builder takes before a barrier that every rank passes, not in a
+      collective: a build of COCO's cache takes longer than any process group's timeout;
+    - any error of the build (a wrong encoder, memory, CUDA) reaches every rank at once: each reduces whether one
+      failed, and all raise (the builder its error; the others one line that points to it);
+    - every rank's outcome is reduced: all use the cache, or all fall back together, so that no two ranks train on
+      different inputs.
+
+    Two processes that need one cache and share no Trainer (two runs on one data_dir, or the local ranks 0 of two
+    nodes on a shared file system) take turns through the lock file: one that finds it taken waits as the other
+    ranks do."""
     distributed = trainer is not None and trainer.world_size > 1
-    usable = True
-    if not distributed or trainer.local_rank == 0:
+    if not distributed:
         try:
             cache.ensure(**options)
         except OSError as err:
-            log.warning(
-                "%s: cannot write the %s (%s); %s", err.filename or cache.dir, cache.kind, err.strerror or err, fallback
-            )
+            _cannot_write(cache, err, fallback)
+            return False
+        return True
+    strategy = trainer.strategy
+    lock, usable, error = None, True, None
+    if trainer.local_rank == 0 and not cache.open():  # a whole cache needs no lock (a read-only folder)
+        try:
+            cache.dir.mkdir(parents=True, exist_ok=True)
+            lock = build_lock(cache.dir)
+            lock.acquire(blocking=False)  # taken: another run, or another node's rank 0, builds it; wait as the rest
+        except Timeout:
+            lock = None
+        except OSError as err:
+            lock, usable = None, False
+            _cannot_write(cache, err, fallback)
+    strategy.barrier(cache.kind)  # the builder, if any, holds the lock from here until its build is over
+    if lock is not None:
+        try:
+            cache.build_unless_usable(**options)
+        except OSError as err:
+            _cannot_write(cache, err, fallback)
             usable = False
-    if not distributed:
-        return usable
-    trainer.strategy.barrier(cache.kind)
-    if trainer.local_rank != 0:
-        usable = cache.open()
-    everywhere = trainer.strategy.reduce_boolean_decision(usable, all=True)
+        except Exception as err:  # reduced below first, so that no rank waits for this one in a collective
+            error = err
+        finally:
+            lock.release()
+    elif usable:
+        usable = _wait_and_open(cache)
+    if strategy.reduce_boolean_decision(error is not None, all=False):  # did any rank fail?
+        if error is not None:
+            raise error
+        raise CaptionerError(f"{cache.dir}: another process failed to build the {cache.kind} (its error is above)")
+    everywhere = strategy.reduce_boolean_decision(usable, all=True)
     if usable and not everywhere:
         log.warning("%s: another process cannot use the %s; %s, in every process", cache.dir, cache.kind, fallback)
     return everywhere
+
+
+def _wait_and_open(cache: DiskCache) -> bool:
+    """A rank that does not build: the cache as the builder left it, waiting on its lock file while it is taken."""
+    if cache.open():
+        return True
+    try:
+        with build_lock(cache.dir):  # no timeout: returns when the builder releases it
+            return cache.open()
+    except OSError:  # the folder or its lock file cannot be made: there is no cache to wait for
+        return False
+
+
+def _cannot_write(cache: DiskCache, err: OSError, fallback: str) -> None:
+    where, why = err.filename or cache.dir, err.strerror or err
+    log.warning("%s: cannot write the %s (%s); %s", where, cache.kind, why, fallback)

@@ -52,7 +52,8 @@ def test_a_rebuild_never_shows_a_complete_marker_beside_its_new_data(tmp_path, e
 
 
 class Strategy:
-    """Two ranks: this one, and another whose outcome is `other`."""
+    """Two ranks: this one, and another that can use the cache where `other` is true, and did not fail. (`shared`
+    asks whether any rank failed with all=False, and whether every rank can use the cache with all=True.)"""
 
     def __init__(self, other: bool):
         self.other, self.root_device, self.barriers = other, torch.device("cpu"), []
@@ -61,7 +62,7 @@ class Strategy:
         self.barriers.append(name)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return (decision and self.other) if all else (decision or self.other)
+        return (decision and self.other) if all else decision
 
 
 class Trainer:
@@ -89,3 +90,116 @@ def test_every_rank_uses_the_cache_that_rank_0_built_or_all_fall_back(tmp_path, 
     assert not shared(cache, Trainer(local_rank=1, other=False), "files instead")  # another rank cannot use it
     assert "another process cannot use the feature cache; files instead, in every process" in caplog.text
     assert not shared(cache, Trainer(local_rank=0, other=False), "files instead")
+
+
+RANK = """
+import datetime, os, sys, time
+import torch.distributed as dist
+from captioner.data import disk_cache
+from captioner.data.datamodules import ShapesDataModule
+from captioner.data.features import FeatureCache
+from captioner.errors import CaptionerError
+from captioner.models.encoder import Encoder
+
+rank, port, root, mode, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout)
+)
+
+class Strategy:  # what `shared` asks of Lightning's strategy, through the process group (gloo)
+    def barrier(self, name=None):
+        dist.barrier()
+
+    def reduce_boolean_decision(self, decision, all=True):
+        import torch
+        value = torch.tensor(int(bool(decision)))
+        dist.all_reduce(value, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        return bool(value)
+
+class Trainer:
+    world_size, local_rank, strategy = 2, rank, Strategy()
+
+original = write = FeatureCache.write
+if mode == "fail" and rank == 0:
+    def write(self, **options):
+        raise CaptionerError("the encoder gives non-finite annotations")  # not an OSError
+elif mode == "slow" and rank == 0:
+    def write(self, **options):
+        time.sleep(2 * timeout)  # longer than the process group's timeout
+        return original(self, **options)
+elif mode == "read-only":
+    def refuse(path):
+        raise PermissionError(13, "Read-only file system", str(path))
+    disk_cache.build_lock = refuse  # no lock file can be made: the folder cannot be written
+    os.mkdir = refuse
+FeatureCache.write = write
+
+source = ShapesDataModule(root, train_size=4, val_size=4, test_size=4, canvas_size=64).split("val")
+cache = FeatureCache(f"{root}/features", Encoder("efficientnet_lite0").eval(), source)
+start = time.monotonic()
+try:
+    print(f"usable={disk_cache.shared(cache, Trainer(), 'files instead')}", flush=True)
+except CaptionerError as err:
+    print(f"error: {err}", flush=True)
+print(f"seconds={time.monotonic() - start:.1f}", flush=True)
+"""
+
+
+def two_ranks(tmp_path, mode: str, timeout: float) -> list[dict[str, str]]:
+    """`shared` in two processes of a gloo process group (local ranks 0 and 1 of one node), each its lines' values."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-c", RANK]
+    ranks = [
+        subprocess.Popen(
+            [*command, str(rank), str(port), str(tmp_path), mode, str(timeout)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    said = []
+    for process in ranks:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        said.append(dict(line.split("=", 1) if "=" in line else ("error", line) for line in out.splitlines()))
+    return said
+
+
+@pytest.mark.ci
+def test_two_ranks_a_failed_build_reaches_both_at_once(tmp_path):
+    """Rank 0's build fails with an error that is not an OSError: both ranks raise, at once, not when the process
+    group's timeout ends the wait (at e647ee0 rank 1 waited at the barrier until it timed out)."""
+    said = two_ranks(tmp_path, "fail", timeout=60)
+    assert said[0]["error"] == "error: the encoder gives non-finite annotations"
+    assert (
+        said[1]["error"].startswith("error: ")
+        and "another process failed to build the feature cache" in said[1]["error"]
+    )
+    assert all(float(rank["seconds"]) < 30 for rank in said), said
+
+
+@pytest.mark.ci
+def test_two_ranks_wait_for_a_build_longer_than_the_process_group_s_timeout(tmp_path):
+    """Rank 0's build takes twice the process group's timeout: rank 1 waits on the cache's lock file, not in a
+    collective, and both use the cache (at e647ee0 rank 1's barrier timed out)."""
+    said = two_ranks(tmp_path, "slow", timeout=5)
+    assert [rank.get("usable") for rank in said] == ["True", "True"], said
+
+
+@pytest.mark.ci
+def test_two_ranks_use_a_whole_cache_in_a_folder_they_cannot_write(tmp_path):
+    """A whole cache where no lock file can be made (a read-only dataset folder): both ranks use it (at e647ee0 rank
+    0 took the lock before it looked, and fell back to the images)."""
+    built("feature", tmp_path, Encoder("efficientnet_lite0").eval())
+    said = two_ranks(tmp_path, "read-only", timeout=60)
+    assert [rank.get("usable") for rank in said] == ["True", "True"], said
