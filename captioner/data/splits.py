@@ -194,29 +194,51 @@ class SplitFiles:
         name, path = self._split_file(split)
         if path is None:  # the dataset's file is missing: read_split names it
             return EncodedSplit.from_caption_set(self.read_split(split), name)
+        existed = path.exists()
+        kept = self._load(path)  # first, without the lock: a folder that cannot be written is read all the same
+        if kept is not None:
+            return kept
+        encoded = None
         try:
             with build_lock(path):
-                if path.exists():
-                    try:
-                        return EncodedSplit.load(path)
-                    except ValueError as err:
-                        log.warning("%s: unreadable (%s); reading the split again", path, err)
+                kept = None if existed else self._load(path)  # made by another process while this one waited
+                if kept is not None:
+                    return kept
                 encoded = EncodedSplit.from_caption_set(self.read_split(split), name)
                 encoded.save(path)
-            if self.format == "karpathy":  # its file holds every split, read now: keep the others too
-                for other in ("train", "val", "test"):
-                    other_name, other_path = self._split_file(other)
-                    if other != split and other_path is not None and not other_path.exists():
-                        with build_lock(other_path):
-                            try:
-                                if not other_path.exists():
-                                    EncodedSplit.from_caption_set(self.read_split(other), other_name).save(other_path)
-                            except ConfigError:  # a split with no usable image: said if and when it is used
-                                pass
-            return encoded
         except OSError as err:  # the folder, the lock or the file cannot be written
             log.warning("%s: cannot be written (%s); the split is read again in every run", path, err.strerror or err)
-            return EncodedSplit.from_caption_set(self.read_split(split), name)
+            return encoded if encoded is not None else EncodedSplit.from_caption_set(self.read_split(split), name)
+        if self.format == "karpathy":  # its file holds every split, read now: keep the others too
+            self._keep_others(split)
+        return encoded
+
+    @staticmethod
+    def _load(path: Path) -> EncodedSplit | None:
+        """The split kept at `path`; None where there is none, or it is damaged (said in one warning)."""
+        if not path.exists():
+            return None
+        try:
+            return EncodedSplit.load(path)
+        except ValueError as err:
+            log.warning("%s: unreadable (%s); reading the split again", path, err)
+            return None
+
+    def _keep_others(self, split: str) -> None:
+        """The Karpathy file's other splits, read with this one, kept too; one that cannot be written is said in one
+        warning naming its own file (this split is kept whatever happens to them)."""
+        for other in ("train", "val", "test"):
+            other_name, other_path = self._split_file(other)
+            if other == split or other_path is None or other_path.exists():
+                continue
+            try:
+                with build_lock(other_path):
+                    if not other_path.exists():
+                        EncodedSplit.from_caption_set(self.read_split(other), other_name).save(other_path)
+            except ConfigError:  # a split with no usable image: said if and when it is used
+                pass
+            except OSError as err:
+                log.warning("%s: cannot be written (%s); it is read when it is used", other_path, err.strerror or err)
 
     def _split_file(self, split: str) -> tuple[str, Path | None]:
         """The split's name, and the file that keeps it, named by the dataset's file (its path, size and modification

@@ -199,7 +199,12 @@ class AttentionDecoder(nn.Module):
         """
         B, T = captions.size(0), captions.size(1) - 1
         P = annotations.size(1)
-        if captions_per_image * annotations.size(0) != B or (lengths is not None and captions_per_image != 1):
+        if lengths is not None and captions_per_image != 1:
+            raise ValueError(
+                f"{captions_per_image} captions an image need fixed shapes (lengths=None): the shrinking batch sorts "
+                "captions by length, which mixes images; repeat each image's annotations for it instead"
+            )
+        if captions_per_image * annotations.size(0) != B:
             raise ValueError(f"{B} captions for {annotations.size(0)} images at {captions_per_image} an image")
         if lengths is not None:
             steps = lengths.to(annotations.device) - 1  # (B,) words to predict, <end> included

@@ -42,7 +42,8 @@ def pad_to_bucket(captions: torch.Tensor, pad_index: int) -> torch.Tensor:
 
 
 def compile_options(device_type: str, accumulate: int = 1, backend: str | None = None) -> tuple[dict, str | None]:
-    """torch.compile's options for the training step (`ShowAttendTell.compile_step`), and a line to log about them.
+    """torch.compile's options for the training step (`ShowAttendTell.compile_training_step`), and a line to log
+    about them.
 
     On CUDA, mode="reduce-overhead": the step's many small kernels are captured as CUDA graphs and replayed, a launch
     each. A graph's outputs live in its own memory, which its next replay overwrites, and the gradients of the first

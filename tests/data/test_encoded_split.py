@@ -152,3 +152,34 @@ def test_a_first_setup_neither_stats_each_image_nor_rebuilds_each_caption_s_toke
     images = len(data.split("train")) + len(data.split("val"))
     assert images >= 4 and len(stats) <= 2  # the dataset's file (and none per image)
     assert rebuilt == []
+
+
+def test_a_karpathy_split_kept_while_another_cannot_be_written_is_said_by_its_own_file(tmp_path, caplog, monkeypatch):
+    """The Karpathy file is read once for every split: this split is kept, and another split whose file cannot be
+    written is one warning naming that file. At e647ee0 the other's error was said against this split's path, and
+    the split just made was thrown away and read again."""
+    import captioner.data.splits as splits
+
+    write_karpathy(tmp_path)
+    lock, reads = splits.build_lock, []
+    read_split = SplitFiles.read_split
+
+    def unwritable_val(path):
+        if "-val-" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return lock(path)
+
+    def counted(self, split):
+        reads.append(split)
+        return read_split(self, split)
+
+    monkeypatch.setattr(splits, "build_lock", unwritable_val)
+    monkeypatch.setattr(SplitFiles, "read_split", counted)
+    files = module(tmp_path, "karpathy").split_files
+    with caplog.at_level(logging.WARNING, logger=splits.__name__):
+        train = files.split("train")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (val_path,) = [files._split_file("val")[1]]
+    assert said == [f"{val_path}: cannot be written (Permission denied); it is read when it is used"], said
+    assert reads == ["train", "test"] and len(train) > 0  # train read once, and kept; val's lock could not be made
+    assert files._split_file("train")[1].exists() and files._split_file("test")[1].exists()

@@ -192,3 +192,14 @@ def test_the_attention_entropy_penalty_matches_hand_computation():
         assert plain.attention_entropy.item() == pytest.approx(sum(words) / 3)
         assert (penalised.loss - plain.loss).item() == pytest.approx(0.5 * sum(words) / 2, rel=1e-5)
         assert torch.equal(penalised.nll_per_word, plain.nll_per_word)
+
+
+def test_teacher_forcing_with_lengths_and_several_captions_an_image_names_the_cause():
+    """The shrinking batch (lengths given) cannot take k captions an image: the error says so, not that the counts are
+    wrong (at e647ee0 it blamed the counts, which were right)."""
+    from tests.helpers import caption_batch, small_model
+
+    model = small_model()
+    annotations, captions, lengths = caption_batch(model)
+    with pytest.raises(ValueError, match=r"^2 captions an image need fixed shapes \(lengths=None\)"):
+        model.decoder(annotations[: len(captions) // 2], captions, lengths, captions_per_image=2)
