@@ -14,7 +14,13 @@ the pool's rules, whatever `mode` the code asked for:
   call's, and the input would be garbage.
 
 An output that is an input, a view of one, or a module's parameter or buffer is not pool memory and is left alone,
-as a CUDA-graph tree leaves it.
+as a CUDA-graph tree leaves it. The backward pass of a compiled call is a graph of the tree too, and its outputs are
+pool memory: a parameter whose `.grad` was empty when the call began gets the backward's gradient as its `.grad`, and
+that gradient is overwritten when the next compiled call begins (a known PyTorch limitation: gradients accumulated
+over several batches would be lost, which `compile_options` works around).
+
+With `graphs_only`, only a function compiled with `mode="reduce-overhead"` (what a CUDA run asks for) is given these
+rules; another is compiled as asked, on the stand-in's backend.
 """
 
 from __future__ import annotations
@@ -73,18 +79,23 @@ class CudaGraphStandIn:
     """`compile` is torch.compile with a CUDA-graph tree's output lifetimes (the module docstring). `calls` counts the
     compiled calls, `overwritten` the outputs garbled so far: a test can check that the stand-in was in the path."""
 
-    def __init__(self, backend: str | Callable = "eager"):
-        self.backend = backend
+    def __init__(self, backend: str | Callable = "eager", graphs_only: bool = False):
+        self.backend, self.graphs_only = backend, graphs_only
         self.previous: list[torch.Tensor] = []  # the last call's outputs in pool memory (held: see `memory`)
         self.previous_name = ""
         self.calls = 0
         self.overwritten = 0
+        self.gradients = 0  # gradients given to parameters from pool memory so far
+        self._hooks: list = []  # the last call's parameters' gradient hooks
 
     def compile(self, fn: Callable | None = None, **options) -> Callable:
         if fn is None:  # used as a decorator with options: @torch.compile(...)
             return functools.partial(self.compile, **options)
+        graphs = options.get("mode") == "reduce-overhead" or not self.graphs_only
         options = {key: value for key, value in options.items() if key not in ("mode", "options")}
         compiled = REAL_COMPILE(fn, **{**options, "backend": self.backend})
+        if not graphs:
+            return compiled
         name = getattr(fn, "__qualname__", repr(fn))
 
         @functools.wraps(fn)
@@ -110,6 +121,13 @@ class CudaGraphStandIn:
             overwrite(tensor)
             self.overwritten += 1
         self.previous = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = [
+            tensor.register_post_accumulate_grad_hook(self._gradient_in_pool)
+            for _, tensor in inputs
+            if isinstance(tensor, nn.Parameter) and tensor.requires_grad and tensor.grad is None
+        ]
         self.calls += 1
         outputs = compiled(*args, **kwargs)
         not_pool = {memory(t) for _, t in inputs}
@@ -117,11 +135,18 @@ class CudaGraphStandIn:
         self.previous_name = name
         return outputs
 
+    def _gradient_in_pool(self, parameter: nn.Parameter) -> None:
+        """The backward of a call gave `parameter`, whose .grad was empty, its gradient: pool memory, which the next
+        compiled call overwrites."""
+        self.previous.append(parameter.grad)
+        self.gradients += 1
+
 
 @contextlib.contextmanager
-def cuda_graph_stand_in(backend: str | Callable = "eager") -> Iterator[CudaGraphStandIn]:
-    """Within it, every `torch.compile` (the project's, whatever its options) compiles through a new stand-in."""
-    stand_in = CudaGraphStandIn(backend)
+def cuda_graph_stand_in(backend: str | Callable = "eager", graphs_only: bool = False) -> Iterator[CudaGraphStandIn]:
+    """Within it, every `torch.compile` (the project's, whatever its options; with `graphs_only`, those that ask for
+    CUDA graphs) compiles through a new stand-in."""
+    stand_in = CudaGraphStandIn(backend, graphs_only)
     torch.compiler.reset()
     torch.compile = stand_in.compile
     try:

@@ -7,6 +7,7 @@ import csv
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from captioner.models.decoder import AttentionDecoder
@@ -82,3 +83,26 @@ def logged(root: Path, epoch: int | None = None) -> dict[str, float]:
     """Every metric the commands run under `root` logged: its last value (of `epoch`, if given)."""
     rows = [row for run in metrics_csvs(root) for row in run if epoch is None or row["epoch"] == str(epoch)]
     return {key: float(value) for row in rows for key, value in row.items() if value and "/" in key}
+
+
+def ranking(result, max_len: int = 30, length_penalty: float = 1.0) -> float:
+    """What beam search ranked a caption by: its score / its length ** length_penalty (<end> counted if it ended)."""
+    length = len(result.tokens) + 1 if len(result.tokens) < max_len else max_len
+    return result.score / length**length_penalty
+
+
+def compare(want: list, got: list, beam_size: int, **options) -> list[int]:
+    """Torch's captions (`want`) against ONNX Runtime's (`got`): the images whose captions differ, each a beam's
+    near-tie (rankings within 1e-4), which float rounding may decide either way; for those equal, the scores and each
+    word's attention agree."""
+    differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w.tokens != g.tokens]
+    for w, g in zip(want, got, strict=True):
+        if w.tokens == g.tokens:
+            assert g.text == w.text and g.grid_hw == w.grid_hw
+            assert abs(g.score - w.score) < 1e-3, (w.score, g.score)
+            assert g.alphas.shape == tuple(w.alphas.shape) and g.alphas.dtype == np.float32
+            assert np.abs(g.alphas - w.alphas.numpy()).max() <= 1e-4, w.text
+    for i in differ:  # a beam's near-tie, which float rounding may decide either way
+        assert beam_size > 1, (want[i].text, got[i].text)
+        assert abs(ranking(want[i], **options) - ranking(got[i], **options)) <= 1e-4, (want[i].text, got[i].text)
+    return differ

@@ -200,8 +200,14 @@ def test_a_file_written_before_the_renames_keeps_its_options_and_old_names_are_r
     from captioner.lit_module import CaptioningModule
     from tests.conftest import run_main
 
-    bundled = model_file(Path(__file__).parent.parent / "captioner" / "assets" / "shapes.pt")
-    assert not RENAMED.keys() & bundled.hparams.keys() and bundled.hparams["reinforce_entropy_weight"] == 0.002
+    bundled_path = Path(__file__).parent.parent / "captioner" / "assets" / "shapes.pt"
+    raw = torch.load(bundled_path, map_location="cpu", weights_only=True)["hparams"]  # as written, before any rename
+    assert "entropy_weight" in raw and "reinforce_entropy_weight" not in raw
+    bundled = model_file(bundled_path)  # read under the current names
+    assert (
+        not RENAMED.keys() & bundled.hparams.keys()
+        and bundled.hparams["reinforce_entropy_weight"] == raw["entropy_weight"]
+    )
 
     state = torch.load(tiny_checkpoint, map_location="cpu", weights_only=False)  # a `captioner fit` checkpoint
     old = {"entropy_weight": 0.05, "attention_entropy_weight": 0.7}  # as a file written before the renames held them

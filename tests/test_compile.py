@@ -213,39 +213,60 @@ def test_the_step_compiles_with_cuda_graphs_on_cuda_unless_gradients_are_accumul
     assert options == {} and "without CUDA graphs" in note and "over 4 batches" in note
 
 
-@pytest.mark.parametrize(
-    "accumulate",
-    [
-        # On CUDA the step is then captured as CUDA graphs: here under the stand-in (tests/cuda_graphs.py), whose
-        # replays overwrite each step's outputs at the next step
-        pytest.param(1, id="cuda-graph-stand-in"),
-        # On CUDA without CUDA graphs (`compile_options`): AOTAutograd's forward and backward graphs, no code
-        pytest.param(2, id="aot_eager-accumulate2"),
-    ],
-)
-def test_a_compiled_fit_logs_what_the_plain_fit_logs(tmp_path, accumulate):
-    """The compiled step, really compiled (Dynamo's graphs, no code generation), in Lightning's loop as on a GPU,
-    against the shrinking batch: the same losses. With dropout 0 and soft attention the two forms draw nothing at
-    random (docs/benchmarks.md, "Speed on a GPU and on a CPU")."""
+def fit_as_on_cuda(tmp_path, monkeypatch, accumulate: int, options=None):
+    """A compiled fit with the options that a CUDA run gets (`compile_options("cuda", ...)`, or `options`), under the
+    CUDA-graph stand-in, which gives the pool's rules to what asks for CUDA graphs: the step's outputs and the
+    gradients its backward gives, overwritten at the next step (tests/cuda_graphs.py)."""
+    from captioner import lit_module
+    from captioner.cli import run_lightning_cli
+    from captioner.models.show_attend_tell import compile_options
+    from tests.conftest import tiny_fit_args
+
+    chosen = (lambda device, n, backend: (options, None)) if options is not None else compile_options
+    monkeypatch.setattr(lit_module, "compile_options", lambda device, n, backend: chosen("cuda", n, backend))
+    same = [f"--data.init_args.data_dir={tmp_path / 'data'}", "--model.dropout=0"]
+    args = [*same, f"--trainer.accumulate_grad_batches={accumulate}", "--model.compile=true"]
+    with cuda_graph_stand_in(graphs_only=True) as stand_in:
+        cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *args)])
+    return cli, stand_in
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_compiled_fit_logs_what_the_plain_fit_logs(tmp_path, monkeypatch, accumulate):
+    """The compiled step, really compiled (Dynamo's graphs, no code generation), in Lightning's loop with the options
+    of a CUDA run, against the shrinking batch: the same losses. Without accumulation the step is captured as CUDA
+    graphs: under the stand-in, each step's outputs and gradients are overwritten at the next step. With it, the
+    step is compiled without CUDA graphs (`compile_options`), since the first batch's gradients would be overwritten
+    by the second's replay (the next test). With dropout 0 and soft attention the two forms draw nothing at random
+    (docs/benchmarks.md, "Speed on a GPU and on a CPU")."""
     from captioner.cli import run_lightning_cli
     from tests.conftest import tiny_fit_args
 
     torch.compiler.reset()
-    data = f"--data.init_args.data_dir={tmp_path / 'data'}"
-    same = [data, "--model.dropout=0", f"--trainer.accumulate_grad_batches={accumulate}"]
-    run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "plain", *same, "--model.compile=false")])
-    compiled = ["--model.compile=true"]
-    with cuda_graph_stand_in() if accumulate == 1 else contextlib.nullcontext() as stand_in:
-        if stand_in is None:
-            compiled.append("--model.compile_backend=aot_eager")
-        cli = run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "compiled", *same, *compiled)])
+    same = [f"--data.init_args.data_dir={tmp_path / 'data'}", "--model.dropout=0"]
+    plain = [*same, f"--trainer.accumulate_grad_batches={accumulate}", "--model.compile=false"]
+    run_lightning_cli(["fit", *tiny_fit_args(tmp_path / "plain", *plain)])
+    cli, stand_in = fit_as_on_cuda(tmp_path, monkeypatch, accumulate)
     assert cli.model.model.fixed_shape and "_compiled_loss" in cli.model.model.__dict__  # the step that ran
     assert cli.trainer.global_step == 4 // accumulate  # 4 batches
-    if stand_in is not None:
-        assert stand_in.calls == 4 and stand_in.overwritten >= 3 * 4  # each step's loss parts, at the next step
+    if accumulate == 1:  # each step's loss parts and its gradients, overwritten at the next step
+        assert stand_in.calls == 4 and stand_in.overwritten >= 3 * 4 and stand_in.gradients >= 4
+    else:
+        assert stand_in.calls == 0  # no CUDA graphs asked for
     want, got = logged(tmp_path / "plain"), logged(tmp_path / "compiled")
     for key in ("val/loss", "train/loss_epoch", "val/nll_per_word", "val/bleu4"):
         assert got[key] == pytest.approx(want[key], rel=1e-4), key
+
+
+def test_without_compile_options_workaround_accumulated_gradients_are_overwritten(tmp_path, monkeypatch):
+    """The stand-in can see the hazard that `compile_options` avoids: with CUDA graphs asked for and gradients
+    accumulated over two batches, the first batch's gradients are pool memory, overwritten by the second batch's
+    replay, and the run stops on a non-finite loss."""
+    from captioner.errors import CaptionerError
+
+    torch.compiler.reset()
+    with pytest.raises(CaptionerError, match=r"train/loss is nan"):
+        fit_as_on_cuda(tmp_path, monkeypatch, 2, options={"mode": "reduce-overhead"})
 
 
 def test_the_compile_option_is_auto_true_or_false():

@@ -64,3 +64,74 @@ def test_compile_function_copies_its_outputs_out_of_the_pool():
             kept.append(h)
         assert [k.tolist() for k in kept] == [[1.0] * 3, [2.0] * 3, [3.0] * 3, [4.0] * 3]
     assert stand_in.overwritten == 3 * 3  # the pool's outputs were overwritten, the copies were not
+
+
+def test_copy_out_copies_the_tensors_in_dicts_and_refuses_what_it_cannot_copy():
+    """A compiled function's outputs are copied out of the graph's memory wherever they are: in a dict too (at
+    e647ee0 a dict was passed through as it was, its tensors left in memory the next replay overwrites); an object
+    it cannot look into is refused, not passed through."""
+    from captioner.models.compiling import copy_out
+
+    tensor = torch.ones(3)
+    copied = copy_out({"loss": tensor, "parts": [tensor], "steps": 4})
+    assert copied["loss"] is not tensor and torch.equal(copied["loss"], tensor) and copied["steps"] == 4
+    assert copied["parts"][0].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+
+    class Holder:
+        pass
+
+    with pytest.raises(TypeError, match="of type Holder is not copied out"):
+        copy_out(Holder())
+
+
+@pytest.mark.parametrize("per_thread", [True, False], ids=["per thread (this torch)", "the process's (torch 2.7)"])
+def test_the_recompile_limit_holds_while_any_thread_is_inside_and_is_put_back_after_the_last(monkeypatch, per_thread):
+    """Dynamo's recompile limit is each thread's own in this torch, and the process's in older ones (emulated here by
+    a setting that every thread shares): with two threads inside `recompile_limit` at once, each compiles under the
+    raised limit whichever leaves first, and the setting is put back after the last. At e647ee0, on a torch whose
+    setting is the process's, the first to leave put it back under the other."""
+    import threading
+    from types import SimpleNamespace
+
+    from captioner.models import compiling
+    from captioner.models.compiling import RECOMPILE_LIMIT, recompile_limit
+
+    if not per_thread:  # one setting for every thread
+        monkeypatch.setattr(torch._dynamo, "config", SimpleNamespace(recompile_limit=8))
+    monkeypatch.setattr(compiling, "_limit_is_per_thread", lambda: per_thread)
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    assert before < RECOMPILE_LIMIT
+    inside, leave, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with recompile_limit():
+            inside.set()
+            leave.wait(10)
+            seen.append(config.recompile_limit)
+
+    thread = threading.Thread(target=other)
+    with recompile_limit():
+        thread.start()
+        assert inside.wait(10)
+        assert config.recompile_limit == RECOMPILE_LIMIT
+    leave.set()  # this thread has left; the other is still inside
+    thread.join(10)
+    assert seen == [RECOMPILE_LIMIT] and config.recompile_limit == before
+
+
+def test_whether_the_limit_is_each_thread_s_own_is_found_by_asking_a_thread():
+    import threading
+
+    from captioner.models.compiling import _limit_is_per_thread
+
+    config = torch._dynamo.config
+    before, seen = config.recompile_limit, []
+    config.recompile_limit = before + 5
+    try:
+        reader = threading.Thread(target=lambda: seen.append(config.recompile_limit))
+        reader.start()
+        reader.join()
+    finally:
+        config.recompile_limit = before
+    assert _limit_is_per_thread() == (seen != [before + 5]) and config.recompile_limit == before

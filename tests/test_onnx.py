@@ -33,7 +33,7 @@ from captioner.onnx import Captioner, search
 from captioner.onnx.resize import resize
 from captioner.onnx_export import StepGraph
 from tests.conftest import REPO, run_main
-from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
+from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, compare, random_decoder
 from tests.images import photo
 from tests.models.test_decoding import TRAP, WEAK
 
@@ -129,27 +129,6 @@ def test_a_photos_annotations_are_the_torch_captioners(shapes_onnx, torch_captio
             want = torch_captioner.model.annotate(torch_captioner.transform(load_image(path))[None]).numpy()
         assert got.shape == want.shape
         assert np.abs(got - want).max() < 1e-3, (name, np.abs(got - want).max())
-
-
-def ranking(result, max_len: int = 30, length_penalty: float = 1.0) -> float:
-    """What beam search ranked a caption by: its score / its length ** length_penalty (<end> counted if it ended)."""
-    length = len(result.tokens) + 1 if len(result.tokens) < max_len else max_len
-    return result.score / length**length_penalty
-
-
-def compare(want: list, got: list, beam_size: int, **options) -> list[int]:
-    """The images whose captions differ; for those equal, the scores and each word's attention agree."""
-    differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w.tokens != g.tokens]
-    for w, g in zip(want, got, strict=True):
-        if w.tokens == g.tokens:
-            assert g.text == w.text and g.grid_hw == w.grid_hw
-            assert abs(g.score - w.score) < 1e-3, (w.score, g.score)
-            assert g.alphas.shape == tuple(w.alphas.shape) and g.alphas.dtype == np.float32
-            assert np.abs(g.alphas - w.alphas.numpy()).max() <= 1e-4, w.text
-    for i in differ:  # a beam's near-tie, which float rounding may decide either way
-        assert beam_size > 1, (want[i].text, got[i].text)
-        assert abs(ranking(want[i], **options) - ranking(got[i], **options)) <= 1e-4, (want[i].text, got[i].text)
-    return differ
 
 
 @pytest.mark.parametrize("images", [32, pytest.param(500, marks=pytest.mark.ci)])

@@ -30,13 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner import lit_module
 from captioner.api import Captioner
 from captioner.cli import run_lightning_cli
 from captioner.data.shapes import ShapesDataset
+from captioner.models.show_attend_tell import compile_options
 from captioner.onnx import Captioner as OnnxCaptioner
 from tests.conftest import REPO, Ran, run_main, tiny_fit_args
 from tests.cuda_graphs import cuda_graph_stand_in
-from tests.helpers import logged, metrics_csvs
+from tests.helpers import compare, logged, metrics_csvs
 
 FACTORS: dict[str, tuple] = {
     "attention": ("soft", "hard"),
@@ -215,14 +217,16 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
         return captioner(capfd, *args, processes=int(row["devices"]))
 
     def fit_run(*args: str) -> Ran:
-        """In this process, a compiled step compiles under the CUDA-graph stand-in (tests/cuda_graphs.py): each
-        step's outputs are overwritten at the next, as a CUDA graph's replay overwrites them."""
+        """In this process, a compiled step compiles with the options a CUDA run gets, under the CUDA-graph stand-in
+        (tests/cuda_graphs.py): where CUDA graphs are asked for (no gradient accumulation), each step's outputs and
+        gradients are overwritten at the next, as a CUDA graph's replay overwrites them."""
         if row["compile"] != "compiled" or row["devices"] != 1:
             return run("fit", *args)
-        with cuda_graph_stand_in("aot_eager") as stand_in:
+        with pytest.MonkeyPatch.context() as patch, cuda_graph_stand_in("aot_eager", graphs_only=True) as stand_in:
+            patch.setattr(lit_module, "compile_options", lambda _, n, backend: compile_options("cuda", n, backend))
             ran = run("fit", *args)
         if row["objective"] == "xe" and ran.status == 0:  # SCST trains on its samples, not the compiled step
-            assert stand_in.calls > 0
+            assert (stand_in.calls > 0) == (row["accumulate"] == 1)
         return ran
 
     args = tiny_fit_args(tmp_path, *options(row, starts if row["init_from"] != "none" else {}))
@@ -252,14 +256,14 @@ def test_a_combination_of_options_trains_tests_predicts_captions_exports_and_res
     assert [r["index"] for r in records] == list(range(8))
 
     images = [ShapesDataset("test", 2, seed=9).load_image(i) for i in range(2)]
-    captions = [r.tokens for r in Captioner.load(best).caption(images)]
+    results = Captioner.load(best).caption(images)
     exported = tmp_path / "model.pt"
     ok(captioner(capfd, "export", "--ckpt_path", str(best), "--output", str(exported)))
-    assert [r.tokens for r in Captioner.load(exported).caption(images)] == captions
+    assert [r.tokens for r in Captioner.load(exported).caption(images)] == [r.tokens for r in results]
     if not fast(row):  # the model's ONNX graphs write its captions (make test exports the bundled model: test_onnx)
         graphs = tmp_path / "onnx"
         ok(captioner(capfd, "export", "--ckpt_path", str(best), "--format", "onnx", "--output", str(graphs)))
-        assert [r.tokens for r in OnnxCaptioner(graphs).caption(images)] == captions
+        compare(results, OnnxCaptioner(graphs).caption(images), beam_size=3)  # a one-epoch model's near-ties
 
     ok(fit_run(*args, "--trainer.max_epochs=2", "--ckpt_path=last"))
     state = torch.load(last, map_location="cpu", weights_only=True)

@@ -160,22 +160,25 @@ def clean(records: list[Record], max_caption_len: int | None, name: str) -> tupl
 class _Listings:
     """Whether image files exist, from one listing of each folder (a stat of every file takes seconds at COCO's
     size). A listed entry counts as a file if it is one, or a link to anything: a link that leads nowhere is said when
-    its image is read, as an unreadable file is."""
+    its image is read, as an unreadable file is. A name listed only in another case (an annotation's `Photo.JPG` for
+    the file `photo.jpg`) is asked of the file system itself: it exists where names ignore case (macOS, Windows),
+    and not elsewhere."""
 
     def __init__(self):
-        self.folders: dict[str, set[str]] = {}
+        self.folders: dict[str, tuple[set[str], set[str]]] = {}  # folder -> its names, and the same casefolded
 
     def has(self, path: str) -> bool:
         folder, name = os.path.split(path)
-        names = self.folders.get(folder)
-        if names is None:
+        listed = self.folders.get(folder)
+        if listed is None:
             try:
                 with os.scandir(folder or ".") as entries:
                     names = {e.name for e in entries if e.is_symlink() or e.is_file(follow_symlinks=False)}
             except OSError:  # a missing folder: nothing in it
                 names = set()
-            self.folders[folder] = names
-        return name in names
+            listed = self.folders[folder] = (names, {n.casefold() for n in names})
+        names, folded = listed
+        return name in names or (name.casefold() in folded and os.path.lexists(path))
 
 
 PLURALS = {"image file missing": "image files missing", "image with no usable caption": "images with no usable caption"}

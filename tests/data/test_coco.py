@@ -212,3 +212,23 @@ def test_captions_in_any_language_train_evaluate_and_caption(tmp_path, monkeypat
 
 def regex_cyrillic(word: str) -> bool:
     return any("\u0400" <= ch <= "\u04ff" for ch in word)
+
+
+def test_an_annotation_that_names_its_file_in_another_case_is_kept_where_names_ignore_case(tmp_path, monkeypatch):
+    """`Photo.JPG` in the annotations for the file `photo.jpg`: on a file system that ignores case (macOS, Windows;
+    emulated here) the image is kept, as it was before the folder listings (at e647ee0 it was dropped as missing);
+    on one that does not (this one), it is missing, as it is."""
+    import os
+
+    from captioner.data.coco import Record
+
+    write_photos(tmp_path / "images")
+    name = next(p.name for p in (tmp_path / "images").iterdir())
+    records = [Record(str(tmp_path / "images" / name.upper()), ["a photo of a thing"], 1)]
+    kept, summary = clean(records, None, "photos")
+    assert kept == [] and "1 image file missing" in summary
+
+    lexists = os.path.lexists
+    monkeypatch.setattr(os.path, "lexists", lambda path: lexists(os.path.join(*os.path.split(path)[:-1], name)))
+    kept, summary = clean(records, None, "photos")
+    assert [r.image for r in kept] == [records[0].image] and summary is None

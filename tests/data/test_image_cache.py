@@ -197,26 +197,35 @@ def test_images_stored_channel_last_are_stacked_as_stored():
     assert stack(contiguous).is_contiguous() and torch.equal(stack(contiguous), torch.stack(pixels))
 
 
-def test_the_cache_stores_the_pixels_that_the_model_gets_from_the_file(encoder):
-    """The cache's images are resized by the uncached path's own transform, the one `Captioner.caption` runs: the same
-    pixels before JPEG, for photos of several sizes and shapes (format 1 resized them with PIL's filter instead)."""
-    from tests.images import photo
+def test_the_cache_stores_the_pixels_that_the_model_gets_from_the_file(tmp_path, monkeypatch):
+    """For the same photo files (of several sizes and shapes), the pixels that the datamodule's image cache stores,
+    before JPEG, are those that `Captioner.caption` feeds the model, normalised alike (format 1 resized them with
+    PIL's filter instead). At e647ee0 this test compared a transform with itself."""
+    from captioner.api import Captioner
+    from captioner.data.vocab import Vocabulary
+    from tests.datasets import write_custom
+    from tests.helpers import V, small_model
 
-    class Photos:
-        identity = "photos"
+    write_custom(tmp_path)  # photos of several sizes, in files
+    model = small_model()
+    stored = []  # (S,S,3) uint8, as the cache's build hands them to the JPEG encoder
+    fromarray = image_cache.Image.fromarray
+    monkeypatch.setattr(image_cache.Image, "fromarray", lambda pixels: stored.append(pixels) or fromarray(pixels))
+    options = {"feature_cache": False, "image_cache": True, "num_workers": 0, "test_fraction": 0.0, "val_fraction": 0.5}
+    module = CocoDataModule(str(tmp_path), format="custom", **options)
+    module.set_encoder(model.encoder)
+    module.setup("fit")
+    module.val_dataloader()  # builds the val split's image cache
+    source = module.split("val")
+    stored = stored[-len(source) :]  # the build's own, after the sample that estimated its size
+    assert len(source) > 1
 
-        def __init__(self, images):
-            self.images = images
-
-        def __len__(self):
-            return len(self.images)
-
-        def load_image(self, index):
-            return self.images[index]
-
-    images = [photo("astronaut"), photo("coffee").resize((640, 427)), photo("chelsea").resize((333, 500))]
-    encoded = image_cache._Encoded(Photos(images), encoder.preprocessing)
-    transform = encoder.preprocessing.transforms(normalize=False)
-    for image in images:
-        assert torch.equal(torch.from_numpy(encoded.resize(image)).permute(2, 0, 1), transform(image))
+    fed = []  # what the Captioner's model gets: normalised floats (B,3,S,S)
+    captioner = Captioner(model, Vocabulary([f"w{i}" for i in range(V - 4)]), device="cpu")  # V ids, 4 special
+    generate = captioner.model.generate
+    monkeypatch.setattr(captioner.model, "generate", lambda images, **o: fed.append(images) or generate(images, **o))
+    captioner.caption([str(source.image(i)) for i in range(len(source))], beam_size=1, max_len=2)
+    normalize = model.encoder.preprocessing.normalize
+    for pixels, image in zip(stored, torch.cat(fed), strict=True):
+        assert torch.equal(normalize(torch.from_numpy(pixels).permute(2, 0, 1)), image)
     assert image_cache.FORMAT == 2  # caches of format 1 are built again, not reused
