@@ -270,9 +270,9 @@ def test_caption_command_on_an_onnx_folder_draws_the_same_overlays(shapes_onnx, 
     want = run_main(capfd, "caption", "--ckpt_path", "shapes", str(SAMPLE), "--overlays", str(torch_overlays), "--json")
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the torch Captioner was loaded")
+        raise AssertionError("the torch model was built")
 
-    monkeypatch.setattr(TorchCaptioner, "load", refuse)
+    monkeypatch.setattr("captioner.api.build_model", refuse)
     got = run_main(
         capfd, "caption", "--ckpt_path", str(shapes_onnx), str(SAMPLE), "--overlays", str(onnx_overlays), "--json"
     )
@@ -325,7 +325,7 @@ def test_a_broken_export_is_one_line_naming_the_folder(shapes_onnx, tmp_path, ca
     empty.mkdir()
     truncated = Path(shutil.copytree(shapes_onnx, tmp_path / "truncated"))
     (truncated / "encoder.onnx").write_bytes((shapes_onnx / "encoder.onnx").read_bytes()[:1000])
-    reasons = {incomplete: "step.onnx: missing", newer: "format 99", empty: "no captioner.json"}
+    reasons = {incomplete: "step.onnx: missing", newer: "format 99", empty: "captioner.json"}  # no / without it
     reasons[truncated] = "encoder.onnx: ONNX Runtime cannot load it"
     for folder, reason in reasons.items():
         with pytest.raises(CaptionerError, match=reason):

@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 from captioner.data.images import load_image
+from captioner.data.sources import TOKENS_8K, flickr8k_splits
 from captioner.data.vocab import tokenize, words_and_lost
 from captioner.errors import ConfigError
 
@@ -59,13 +60,24 @@ KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "
 
 
 def read_karpathy_splits(split_file: str | Path, image_root: str | Path) -> dict[str, list[Record]]:
-    """Every split of a Karpathy file at once ("train" with "restval"): COCO's is parsed in seconds, once."""
+    """Every split of a Karpathy file at once ("train" with "restval"): COCO's is parsed in seconds, once. Flickr8k's
+    own `Flickr8k.token.txt` is read too, with the train, dev and test lists beside it (the same split)."""
     split_file = Path(split_file)
     if not split_file.is_file():
-        raise ConfigError(f"{split_file}: Karpathy split file not found")
+        raise ConfigError(
+            f"{split_file}: split file not found; data/README.md says where each dataset's is had "
+            "(download: true fetches COCO's and Flickr's)"
+        )
+    if split_file.name == TOKENS_8K:  # Flickr8k's own text files, the train, dev and test lists beside it
+        try:
+            data = flickr8k_splits(lambda name: (split_file.parent / name).read_text(encoding="utf-8"))
+        except OSError as err:
+            raise ConfigError(f"{err.filename}: {err.strerror} (Flickr8k's lists go beside {TOKENS_8K})") from None
+    else:
+        data = json.loads(split_file.read_text())
     splits: dict[str, list[Record]] = {"train": [], "val": [], "test": []}
     folders: dict[str, Path] = {}  # each image folder, made once (pathlib is slow to make 123k paths)
-    for item in json.loads(split_file.read_text())["images"]:
+    for item in data["images"]:
         if item["split"] in KARPATHY_SPLITS:
             filepath = item.get("filepath", "")
             folder = folders.get(filepath) or folders.setdefault(filepath, Path(image_root, filepath))

@@ -279,17 +279,20 @@ class CocoDataModule(CaptionDataModule):
         data_dir: the dataset folder.
         format: "coco", "karpathy" or "custom".
         year: official COCO release, 2014 or 2017.
-        split_file: Karpathy split JSON, relative to data_dir.
-        image_root: Karpathy image folder, relative to data_dir.
+        split_file: Karpathy split JSON (or Flickr8k's own `Flickr8k.token.txt`, its lists beside it), relative to
+            data_dir or absolute.
+        image_root: Karpathy image folder, relative to data_dir or absolute: images found there are not downloaded.
         captions_file: custom captions file (.jsonl or .csv), relative to data_dir.
         image_dir: custom image folder, relative to data_dir.
         val_fraction, test_fraction: custom format only.
         max_train_caption_len: training captions with more words are skipped (counted in the summary line); val and
             test keep every reference, as the coco-caption scorers expect. Not the model's `max_caption_len`, the
             longest caption it generates.
-        download: let prepare_data download what is missing (COCO images and annotations, Karpathy splits).
-        urls: name -> URL overrides for the downloads (a mirror), see `captioner.data.download.COCO_URLS`.
-        checksums: name -> SHA-256 of a download; a mismatch deletes the file and stops with an error.
+        download: let prepare_data download what is missing, small files first: the split file (COCO, Flickr8k and
+            Flickr30k's, from the first of its sources that answers with the split's known counts) or COCO's
+            annotations, then the image archives not found under image_root (`captioner.data.download.prepare`).
+        urls: source name -> URL overrides for the downloads (a mirror), see `captioner.data.sources.SOURCES`.
+        checksums: source name -> SHA-256 of a download; a mismatch deletes the file and stops with an error.
         min_word_count: words seen fewer times in the training captions become <unk>.
         **kwargs: see `CaptionDataModule`.
     """
@@ -338,9 +341,9 @@ class CocoDataModule(CaptionDataModule):
         """Download what is missing (only with download: true); writes to disk, builds nothing in memory."""
         if not self.download:
             return
-        from captioner.data.download import prepare_coco
+        from captioner.data.download import prepare
 
-        prepare_coco(self.data_dir, self.format, self.year, self.split_file, self.urls, self.checksums)
+        prepare(self.data_dir, self.format, self.year, self.split_file, self.image_root, self.urls, self.checksums)
 
     def make_split(self, split: str) -> EncodedSplit:
         """The split, read once from the dataset's files and kept under data_dir/splits/ (`SplitFiles.split`)."""

@@ -1,7 +1,10 @@
-"""Resumable downloads with checksum, progress bar and extraction, for COCO and the Karpathy splits.
+"""Resumable downloads with checksum, progress bar and extraction, and what `download: true` fetches for a real
+dataset (`prepare`), small files first: the split or annotation files (a few MB, from the first of their sources that
+answers with the split's known counts, `captioner.data.sources`), then the image archives (19 GB for COCO) that are
+not on disk already.
 
 A download goes to `<file>.part`; an interrupted one resumes from there with an HTTP Range request. The finished
-file is checked against its SHA-256 (when one is known) before it replaces the final name, so a file without
+file is checked against its digest (when one is known) before it replaces the final name, so a file without
 `.part` is always complete. An archive is extracted into a temporary folder and then renamed into place, so that what
 the next run takes as "extracted" is complete: a kill in the middle of the 13 GB unzip leaves only the temporary
 folder, which the next run deletes before it extracts again. One process at a time prepares a dataset folder (a lock
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import logging
 import os
 import shutil
@@ -22,21 +26,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from captioner.data.sources import PLANS, SOURCES, Plan, Route, counts
 from captioner.errors import CaptionerError
-from captioner.files import build_lock
+from captioner.files import build_lock, write_text_atomically
 
 log = logging.getLogger(__name__)
 
-# The official locations; any of them can be overridden (a mirror) through CocoDataModule's `urls`.
-COCO_URLS = {
-    "train2014": "http://images.cocodataset.org/zips/train2014.zip",
-    "val2014": "http://images.cocodataset.org/zips/val2014.zip",
-    "train2017": "http://images.cocodataset.org/zips/train2017.zip",
-    "val2017": "http://images.cocodataset.org/zips/val2017.zip",
-    "annotations2014": "http://images.cocodataset.org/annotations/annotations_trainval2014.zip",
-    "annotations2017": "http://images.cocodataset.org/annotations/annotations_trainval2017.zip",
-    "karpathy": "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip",
-}
 CHUNK = 1 << 20
 
 
@@ -44,16 +39,17 @@ class DownloadError(CaptionerError):
     """A download failed or its checksum did not match."""
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+def digest_of(path: Path, algorithm: str = "sha256") -> str:
+    digest = hashlib.new(algorithm)
     with path.open("rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def download(url: str, destination: str | Path, sha256: str | None = None, timeout: float = 30.0) -> Path:
-    """Download `url` to `destination`, resuming a previous partial download; verify `sha256` if given."""
+def download(url: str, destination: str | Path, digest: str | None = None, timeout: float = 30.0) -> Path:
+    """Download `url` to `destination`, resuming a previous partial download; verify `digest` if given ("md5:<hex>",
+    "sha256:<hex>", or a bare SHA-256)."""
     destination = Path(destination)
     if destination.exists():
         return destination
@@ -85,31 +81,40 @@ def download(url: str, destination: str | Path, sha256: str | None = None, timeo
     except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
         reason = getattr(err, "reason", None) or type(err).__name__
         raise DownloadError(f"{url}: download interrupted ({reason}); run again to resume from {part}") from None
-    if sha256 is not None:
-        actual = sha256_of(part)
-        if actual != sha256:
+    if digest is not None:
+        algorithm, _, expected = digest.rpartition(":")
+        actual = digest_of(part, algorithm or "sha256")
+        if actual != expected.lower():
             part.unlink()
-            raise DownloadError(f"{url}: checksum mismatch (expected {sha256}, got {actual}); the file was deleted")
+            raise DownloadError(f"{url}: checksum mismatch (expected {digest}, got {actual}); the file was deleted")
     part.replace(destination)
     return destination
 
 
-def extract(archive: str | Path, folder: str | Path, marker: str | Path) -> None:
-    """Unzip `archive` into `folder`, refusing members that would land outside it.
+def extract(archive: str | Path, folder: str | Path, marker: str | Path, top: str = "") -> None:
+    """Unzip `archive` into `folder`, refusing members that would land outside it; with `top`, the contents of the
+    archive's folder `top` become `folder` itself (Flickr8k's `Flicker8k_Dataset/` as the configured image root).
 
     The members are extracted into a temporary folder first, then moved into `folder`: a top-level folder that is not
     there yet (train2014/) by one rename, into one that is (annotations/) file by file, `marker` last of all. So
     `marker`, the file or folder whose presence means "extracted", appears only when everything else is in place.
     """
     folder, marker = Path(folder).resolve(), Path(marker).resolve()
-    staging = folder / f".{Path(archive).name}.extracting"
+    beside = folder.parent if top else folder
+    beside.mkdir(parents=True, exist_ok=True)
+    staging = beside / f".{Path(archive).name}.extracting"
     shutil.rmtree(staging, ignore_errors=True)  # what a killed extraction left
     with zipfile.ZipFile(archive) as zf:
         for member in zf.namelist():
-            if not (folder / member).resolve().is_relative_to(folder):
+            if not (staging / member).resolve().is_relative_to(staging):
                 raise DownloadError(f"{archive}: member {member!r} would be extracted outside {folder}")
         zf.extractall(staging)
-    _move_into(staging, folder, staging / marker.relative_to(folder))
+    if top:
+        if not (staging / top).is_dir():
+            raise DownloadError(f"{archive}: no folder {top}/ in it")
+        _move_into(staging / top, folder, staging / top / marker.relative_to(folder))
+    else:
+        _move_into(staging, folder, staging / marker.relative_to(folder))
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -123,30 +128,102 @@ def _move_into(source: Path, target: Path, last: Path) -> None:
         _move_into(entry, target / entry.name, last)
 
 
-def fetch_and_extract(name: str, urls: dict[str, str], folder: Path, marker: Path, sha256: str | None = None) -> None:
-    """Download the zip called `name` into folder/downloads and extract it into folder, unless `marker` exists."""
+def _source(name: str, urls: dict[str, str], checksums: dict[str, str]) -> tuple[str, str | None]:
+    """A source's address (`urls` overrides it: a mirror) and the digest to check (`checksums`' SHA-256 first)."""
+    source = SOURCES[name]
+    url = urls.get(name, source.url)
+    return url, checksums.get(name) or (source.digest if url == source.url else None)
+
+
+def fetch_and_extract(
+    name: str,
+    urls: dict[str, str],
+    folder: Path,
+    marker: Path,
+    checksums: dict[str, str] | None = None,
+    top: str = "",
+    downloads: Path | None = None,
+) -> None:
+    """Download the zip of source `name` into `downloads` (default: folder/downloads) and extract it into folder
+    (`extract`, `top` included), unless `marker` exists."""
     if marker.exists():
         return
-    url = {**COCO_URLS, **urls}[name]
-    archive = download(url, folder / "downloads" / Path(url).name, sha256)
+    url, digest = _source(name, urls, checksums or {})
+    archive = download(url, (downloads or folder / "downloads") / Path(url).name, digest)
     log.info("extracting %s", archive)
-    extract(archive, folder, marker)
+    extract(archive, folder, marker, top)
     if not marker.exists():
         raise DownloadError(f"{archive}: extracted, but {marker} is still missing")
 
 
-def prepare_coco(
-    folder: Path, format: str, year: int, split_file: str, urls: dict[str, str], checksums: dict[str, str]
+def prepare(
+    folder: Path,
+    format: str,
+    year: int,
+    split_file: str,
+    image_root: str,
+    urls: dict[str, str],
+    checksums: dict[str, str],
 ) -> None:
-    """Download and extract what the chosen COCO layout needs and is missing (checksums: name -> SHA-256)."""
+    """Download and extract what the chosen layout needs and is missing, small files first: the split file (or COCO's
+    annotations), then each image archive whose folder is not where the data module looks for it (`image_root`,
+    absolute or under `folder`). checksums: source name -> SHA-256; urls: source name -> a mirror's address."""
     if format == "custom":
         return
     with build_lock(folder):
-        for part in ("train", "val"):
-            fetch_and_extract(f"{part}{year}", urls, folder, folder / f"{part}{year}", checksums.get(f"{part}{year}"))
+        downloads = folder / "downloads"
         if format == "coco":
             marker = folder / "annotations" / f"captions_train{year}.json"
-            fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums.get(f"annotations{year}"))
+            fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums, downloads=downloads)
+            for part in (f"train{year}", f"val{year}"):
+                fetch_and_extract(part, urls, folder, folder / part, checksums, downloads=downloads)
         else:
-            fetch_and_extract("karpathy", urls, folder, folder / split_file, checksums.get("karpathy"))
-        shutil.rmtree(folder / "downloads", ignore_errors=True)
+            plan = PLANS.get(Path(split_file).name)
+            target = folder / split_file
+            if not target.exists():
+                if plan is None:
+                    raise DownloadError(f"{target}: missing, and no source of it is known; see data/README.md")
+                make_split_file(target, plan, urls, checksums, downloads)
+            root = folder / image_root  # where the images are looked for; an absolute image_root anywhere
+            for images in plan.images if plan is not None else ():
+                marker = root if images.is_root else root / images.folder
+                top = images.folder if images.is_root else ""
+                fetch_and_extract(images.source, urls, root, marker, checksums, top, downloads)
+        shutil.rmtree(downloads, ignore_errors=True)
+
+
+def make_split_file(target: Path, plan: Plan, urls: dict, checksums: dict, downloads: Path) -> None:
+    """The Karpathy split file at `target`, from the first of `plan`'s routes whose sources answer and give the
+    split's counts; each source that does not is one warning, and when none does, one error names each address,
+    what it answered, and where to put the file by hand."""
+    tried = []
+    for route in plan.routes:
+        url = ""
+        try:
+            files = []
+            for name in route.sources:
+                url, digest = _source(name, urls, checksums)
+                files.append(download(url, downloads / Path(url).name, digest))
+            splits = _read(route, files, target.name, url)
+            found = counts(splits)
+            if found != plan.counts:
+                got, want = (" / ".join(f"{n:,}" for n in c) for c in (found, plan.counts))
+                raise DownloadError(f"{url}: gives {got} images (train / val / test), not {target.name}'s {want}")
+        except DownloadError as err:
+            log.warning("%s; trying the next source", err)
+            tried.append(str(err))
+            continue
+        write_text_atomically(target, json.dumps(splits))
+        log.info("%s: made from %s", target, ", ".join(urls.get(n, SOURCES[n].url) for n in route.sources))
+        return
+    raise DownloadError(
+        f"{target}: no source gave it ({'; '.join(tried)}); download it by hand and put it at {target} "
+        f"(data/README.md, '{plan.section}')"
+    )
+
+
+def _read(route: Route, files: list[Path], split_file: str, url: str) -> dict:
+    try:
+        return route.read(files, split_file)
+    except (ValueError, KeyError, TypeError, zipfile.BadZipFile, UnicodeDecodeError) as err:  # json's errors too
+        raise DownloadError(f"{url}: not a file this source gives ({type(err).__name__}: {err})") from None

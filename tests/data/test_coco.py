@@ -151,7 +151,7 @@ def test_fast_dev_run_on_each_format(tmp_path, fmt, monkeypatch):
 def test_unknown_format_and_missing_files_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown dataset format"):
         CocoDataModule(data_dir=str(tmp_path), format="voc")
-    with pytest.raises(ConfigError, match=r"dataset_coco\.json: Karpathy split file not found"):
+    with pytest.raises(ConfigError, match=r"dataset_coco\.json: split file not found; data/README.md says where"):
         CocoDataModule(data_dir=str(tmp_path)).split("train")
 
 

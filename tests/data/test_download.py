@@ -2,7 +2,9 @@
 
 import hashlib
 import io
+import json
 import os
+import shutil
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +20,7 @@ class RangeHandler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         server = self.server
+        server.asked.append(self.path)  # every request, in order, those answered 404 too
         if self.path not in server.files:
             self.send_error(404)
             return
@@ -46,7 +49,7 @@ class RangeHandler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), RangeHandler)
-    httpd.files, httpd.interrupt, httpd.requests = {}, set(), []
+    httpd.files, httpd.interrupt, httpd.requests, httpd.asked = {}, set(), [], []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield httpd
@@ -65,11 +68,11 @@ def test_interrupted_download_resumes_and_is_verified(server, tmp_path):
     target = tmp_path / "big.bin"
     sha = hashlib.sha256(payload).hexdigest()
     with pytest.raises(DownloadError, match="interrupted"):
-        download(url(server, "/big.bin"), target, sha256=sha, timeout=5)
+        download(url(server, "/big.bin"), target, digest=sha, timeout=5)
     part = tmp_path / "big.bin.part"
     assert not target.exists() and 0 < part.stat().st_size < len(payload)
     partial = part.stat().st_size
-    download(url(server, "/big.bin"), target, sha256=sha, timeout=5)
+    download(url(server, "/big.bin"), target, digest=sha, timeout=5)
     assert target.read_bytes() == payload and not part.exists()
     assert server.requests == [("/big.bin", 0), ("/big.bin", partial)]  # the second request resumed
 
@@ -77,7 +80,7 @@ def test_interrupted_download_resumes_and_is_verified(server, tmp_path):
 def test_checksum_mismatch_deletes_the_file(server, tmp_path):
     server.files["/a.bin"] = b"hello"
     with pytest.raises(DownloadError, match="checksum mismatch"):
-        download(url(server, "/a.bin"), tmp_path / "a.bin", sha256="0" * 64, timeout=5)
+        download(url(server, "/a.bin"), tmp_path / "a.bin", digest="0" * 64, timeout=5)
     assert not (tmp_path / "a.bin").exists() and not (tmp_path / "a.bin.part").exists()
 
 
@@ -107,41 +110,185 @@ def zip_of(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def test_coco_datamodule_downloads_what_is_missing_before_building_its_vocabulary(server, tmp_path):
-    import json
-
-    from captioner.data.datamodules import CocoDataModule
-    from tests.datasets import CAPTIONS
+def jpeg(name: str) -> bytes:
     from tests.images import photo
 
-    def jpeg(name):
-        buffer = io.BytesIO()
-        photo(name).resize((64, 64)).save(buffer, format="JPEG")
-        return buffer.getvalue()
+    buffer = io.BytesIO()
+    photo(name).resize((64, 64)).save(buffer, format="JPEG")
+    return buffer.getvalue()
 
-    split = {"astronaut": ("train2014", "train"), "coffee": ("train2014", "train"), "rocket": ("val2014", "val")}
+
+# A tiny COCO in the Karpathy split's shape: 2 train, 2 restval, 1 val, 1 test images (4 / 1 / 1)
+COCO = [  # (name, its folder, Karpathy's split)
+    ("astronaut", "train2014", "train"),
+    ("coffee", "train2014", "train"),
+    ("chelsea", "val2014", "restval"),
+    ("camera", "val2014", "restval"),
+    ("rocket", "val2014", "val"),
+    ("cat", "val2014", "test"),
+]
+
+
+def coco_name(name: str, folder: str) -> str:
+    return f"COCO_{folder}_{1000 + [n for n, *_ in COCO].index(name):012d}.jpg"
+
+
+def caption(name: str, n: int) -> str:
+    return f"a photo of the {name} number {n}"
+
+
+def serve_coco(server, karpathy_zip: bool = True, lavis: bool = True) -> dict[str, str]:
+    """The tiny COCO's image zips, and its split as Karpathy's zip and as LAVIS's three files; `urls` for them."""
+    entries = {"train": [], "val": [], "test": []}
+    for name, folder, split in COCO:
+        image = f"{folder}/{coco_name(name, folder)}"
+        if split in ("train", "restval"):  # one entry per caption
+            entries["train"] += [{"image": image, "caption": caption(name, n), "image_id": f"coco_{n}"} for n in (1, 2)]
+        else:
+            entries[split].append({"image": image, "caption": [caption(name, n) for n in (1, 2)]})
+    if lavis:
+        for split, listed in entries.items():
+            server.files[f"/lavis/coco_karpathy_{split}.json"] = json.dumps(listed).encode()
     karpathy = {
         "images": [
             {
-                "filepath": folder,
-                "filename": f"{n}.jpg",
+                "filepath": f,
+                "filename": coco_name(n, f),
                 "split": s,
-                "cocoid": i,
-                "sentences": [{"raw": c} for c in CAPTIONS[f"{n}.jpg"]],
+                "cocoid": 1000 + i,
+                "sentences": [{"raw": caption(n, k)} for k in (1, 2)],
             }
-            for i, (n, (folder, s)) in enumerate(split.items())
+            for i, (n, f, s) in enumerate(COCO)
         ]
     }
-    server.files["/m/train2014.zip"] = zip_of({f"train2014/{n}.jpg": jpeg(n) for n in ("astronaut", "coffee")})
-    server.files["/m/val2014.zip"] = zip_of({"val2014/rocket.jpg": jpeg("rocket")})
-    server.files["/m/caption_datasets.zip"] = zip_of({"dataset_coco.json": json.dumps(karpathy).encode()})
-    urls = {name: url(server, f"/m/{name}.zip") for name in ("train2014", "val2014")}
-    urls["karpathy"] = url(server, "/m/caption_datasets.zip")
+    if karpathy_zip:
+        server.files["/stanford/caption_datasets.zip"] = zip_of({"dataset_coco.json": json.dumps(karpathy).encode()})
+    for folder in ("train2014", "val2014"):
+        images = {f"{folder}/{coco_name(n, f)}": jpeg(n) for n, f, _ in COCO if f == folder}
+        server.files[f"/coco/{folder}.zip"] = zip_of(images)
+    urls = {"karpathy": url(server, "/stanford/caption_datasets.zip")}
+    urls |= {f"coco_karpathy_{s}": url(server, f"/lavis/coco_karpathy_{s}.json") for s in ("train", "val", "test")}
+    return urls | {f: url(server, f"/coco/{f}.zip") for f in ("train2014", "val2014")}
+
+
+@pytest.fixture
+def tiny_counts(monkeypatch):
+    """The split files' known counts, as the tiny datasets here have them."""
+    from dataclasses import replace
+
+    from captioner.data.sources import PLANS
+
+    monkeypatch.setitem(PLANS, "dataset_coco.json", replace(PLANS["dataset_coco.json"], counts=(4, 1, 1)))
+    monkeypatch.setitem(PLANS, "dataset_flickr8k.json", replace(PLANS["dataset_flickr8k.json"], counts=(2, 1, 1)))
+
+
+@pytest.mark.parametrize("karpathy_zip", [True, False], ids=["karpathy's zip", "its 404, then LAVIS's files"])
+def test_coco_gets_its_split_file_first_from_the_first_source_that_answers_then_its_images(
+    server, tmp_path, tiny_counts, karpathy_zip
+):
+    """Small files first: the split file from Karpathy's zip, or, where it answers 404 (as it has since 2023), from
+    LAVIS's three files, read into Karpathy's format; only then the image archives. The same split either way."""
+    from captioner.data.datamodules import CocoDataModule
+
+    urls = serve_coco(server, karpathy_zip=karpathy_zip)
     data = CocoDataModule(data_dir=str(tmp_path / "coco"), download=True, urls=urls, min_word_count=1)
-    assert "astronaut" in data.vocab.stoi and "rocket" not in data.vocab.stoi  # train split only
-    assert len(data.split("val")) == 1
-    assert (tmp_path / "coco" / "train2014" / "coffee.jpg").is_file()
+    assert "astronaut" in data.vocab.stoi and "rocket" not in data.vocab.stoi  # train (with restval) only
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [4, 1, 1]
+    assert data.split("test").image_id(0) == 1005 and data.split("val").captions(0) == [
+        caption("rocket", 1),
+        caption("rocket", 2),
+    ]
+    split_files = ["/stanford/caption_datasets.zip"]
+    if not karpathy_zip:
+        split_files += [f"/lavis/coco_karpathy_{s}.json" for s in ("train", "val", "test")]
+    assert server.asked == [*split_files, "/coco/train2014.zip", "/coco/val2014.zip"]
     assert not (tmp_path / "coco" / "downloads").exists()  # archives removed after extraction
+
+
+def test_a_source_with_other_counts_is_refused_and_when_none_gives_the_split_one_line_says_what_each_answered(
+    server, tmp_path, tiny_counts, monkeypatch
+):
+    """Karpathy's zip answers with another split (wrong counts) and LAVIS's files are missing: each is one warning,
+    no image archive is asked for, and the error is one line: each address, what it answered, where the file goes."""
+    from dataclasses import replace
+
+    from captioner.data.datamodules import CocoDataModule
+    from captioner.data.sources import PLANS
+
+    urls = serve_coco(server, lavis=False)
+    monkeypatch.setitem(PLANS, "dataset_coco.json", replace(PLANS["dataset_coco.json"], counts=(5, 1, 1)))
+    data = CocoDataModule(data_dir=str(tmp_path / "coco"), download=True, urls=urls)
+    with pytest.raises(DownloadError) as failed:
+        data.prepare_data()
+    target = tmp_path / "coco" / "dataset_coco.json"
+    assert str(failed.value) == (
+        f"{target}: no source gave it ({urls['karpathy']}: gives 4 / 1 / 1 images (train / val / test), not "
+        f"dataset_coco.json's 5 / 1 / 1; {urls['coco_karpathy_train']}: HTTP 404 Not Found); download it by hand and "
+        f"put it at {target} (data/README.md, 'MS-COCO (Karpathy splits, the usual setting)')"
+    )
+    assert server.asked == ["/stanford/caption_datasets.zip", "/lavis/coco_karpathy_train.json"]
+
+
+FLICKR8K = {"1001_a.jpg": "train", "1002_b.jpg": "train", "1003_c.jpg": "val", "1004_d.jpg": "test"}
+PHOTOS = dict(zip(FLICKR8K, ("astronaut", "coffee", "rocket", "chelsea"), strict=True))
+
+
+def flickr8k_text() -> dict[str, bytes]:
+    """Flickr8k's own text files: the captions (`<image>#<n>\t<caption>`) and the train, dev and test lists."""
+    from captioner.data.sources import LISTS_8K, TOKENS_8K
+
+    tokens = "".join(f"{name}#{n}\t{caption(PHOTOS[name], n)}\n" for name in FLICKR8K for n in range(5))
+    files = {TOKENS_8K: tokens.encode()}
+    for split, listing in LISTS_8K.items():
+        files[listing] = "".join(f"{name}\n" for name, s in FLICKR8K.items() if s == split).encode()
+    return files
+
+
+def test_flickr8k_comes_from_its_own_text_files_and_image_zip(server, tmp_path, tiny_counts):
+    """Flickr8k's split from its own distribution (the mirror's Flickr8k_text.zip) where Karpathy's zip answers 404,
+    then its images (Flickr8k_Dataset.zip, whose Flicker8k_Dataset/ is the configured image root); and the same
+    text files read where they are, with no download."""
+    from captioner.data.datamodules import CocoDataModule
+
+    server.files["/8k/Flickr8k_text.zip"] = zip_of({f"Flickr8k_text/{n}": b for n, b in flickr8k_text().items()})
+    images = {f"Flicker8k_Dataset/{name}": jpeg(photo) for name, photo in PHOTOS.items()}
+    server.files["/8k/Flickr8k_Dataset.zip"] = zip_of(images | {"__MACOSX/Flicker8k_Dataset/._1001_a.jpg": b"x"})
+    urls = {"karpathy": url(server, "/stanford/caption_datasets.zip")}
+    urls |= {
+        "flickr8k_text": url(server, "/8k/Flickr8k_text.zip"),
+        "flickr8k_images": url(server, "/8k/Flickr8k_Dataset.zip"),
+    }
+    options = {"split_file": "dataset_flickr8k.json", "image_root": "Flicker8k_Dataset", "min_word_count": 1}
+    data = CocoDataModule(data_dir=str(tmp_path / "flickr8k"), download=True, urls=urls, **options)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [2, 1, 1]
+    assert data.split("val").captions(0) == [caption("rocket", n) for n in range(5)]
+    assert server.asked == ["/stanford/caption_datasets.zip", "/8k/Flickr8k_text.zip", "/8k/Flickr8k_Dataset.zip"]
+    assert sorted(p.name for p in (tmp_path / "flickr8k" / "Flicker8k_Dataset").iterdir()) == sorted(FLICKR8K)
+
+    own = tmp_path / "own"  # the text files where they are, read as they are: no download
+    for name, content in flickr8k_text().items():
+        (own / "text").mkdir(parents=True, exist_ok=True)
+        (own / "text" / name).write_bytes(content)
+    shutil.copytree(tmp_path / "flickr8k" / "Flicker8k_Dataset", own / "photos")
+    asked = len(server.asked)
+    options = {"split_file": "text/Flickr8k.token.txt", "image_root": str(own / "photos"), "min_word_count": 1}
+    data = CocoDataModule(data_dir=str(own), download=True, urls=urls, **options)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [2, 1, 1] and len(server.asked) == asked
+
+
+def test_images_found_under_an_image_root_elsewhere_are_not_downloaded(server, tmp_path, tiny_counts):
+    """COCO's photos already on disk outside the data folder (an absolute image_root): only the split file is
+    fetched. At e647ee0 the check looked for data_dir/train2014, and 19 GB were downloaded again."""
+    from captioner.data.datamodules import CocoDataModule
+
+    urls = serve_coco(server)
+    photos = tmp_path / "lab" / "coco2014"
+    for name, folder, _ in COCO:
+        (photos / folder).mkdir(parents=True, exist_ok=True)
+        (photos / folder / coco_name(name, folder)).write_bytes(jpeg(name))
+    data = CocoDataModule(data_dir=str(tmp_path / "coco"), image_root=str(photos), download=True, urls=urls)
+    assert len(data.split("train")) == 4
+    assert server.asked == ["/stanford/caption_datasets.zip"]
 
 
 URLS = {"train2014": "http://127.0.0.1:9/train2014.zip"}  # never asked: the archive is downloaded already

@@ -1,0 +1,183 @@
+"""Where each real dataset's files can be had, and how a split file is made from what a source gives.
+
+Karpathy's `caption_datasets.zip` (the split files of COCO, Flickr8k and Flickr30k) has answered 404 since 2023. So
+each split file has sources tried in order, each read into Karpathy's format and checked against the split's known
+image counts before it is kept:
+
+- COCO (`dataset_coco.json`, 113,287 / 5,000 / 5,000 images): Karpathy's zip, then the same split as BLIP and LAVIS
+  publish it (`coco_karpathy_{train,val,test}.json`, with LAVIS's MD5s);
+- Flickr8k (`dataset_flickr8k.json`, 6,000 / 1,000 / 1,000): Karpathy's zip, then the dataset's own text files
+  (`Flickr8k.token.txt` and the `Flickr_8k.{train,dev,test}Images.txt` lists, whose split Karpathy's file holds),
+  from the public mirror of its zips in jbrownlee/Datasets' releases;
+- Flickr30k (`dataset_flickr30k.json`, 29,000 / 1,014 / 1,000): Karpathy's zip, then LAVIS's `flickr30k_*.json`. Its
+  images have no public source: they are asked of their authors (data/README.md).
+
+A source's name (`SOURCES`) is what `CocoDataModule`'s `urls` overrides, for a mirror or a test's server.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file's address, and its digest where one is published ("md5:<hex>" or "sha256:<hex>")."""
+
+    url: str
+    digest: str | None = None
+
+
+LAVIS = "https://storage.googleapis.com/sfr-vision-language-research/datasets"
+MIRROR_8K = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
+SOURCES = {
+    "karpathy": Source("https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip"),
+    # LAVIS's own MD5s (lavis/configs/datasets/coco/defaults_cap.yaml)
+    "coco_karpathy_train": Source(f"{LAVIS}/coco_karpathy_train.json", "md5:aa31ac474cf6250ebb81d18348a07ed8"),
+    "coco_karpathy_val": Source(f"{LAVIS}/coco_karpathy_val.json", "md5:b273847456ef5580e33713b1f7de52a0"),
+    "coco_karpathy_test": Source(f"{LAVIS}/coco_karpathy_test.json", "md5:3ff34b0ef2db02d01c37399f6a2a6cd1"),
+    "flickr30k_train": Source(f"{LAVIS}/flickr30k_train.json"),
+    "flickr30k_val": Source(f"{LAVIS}/flickr30k_val.json"),
+    "flickr30k_test": Source(f"{LAVIS}/flickr30k_test.json"),
+    # No digest is published for these: the split's counts, and the images' when extracted, are checked instead
+    "flickr8k_text": Source(f"{MIRROR_8K}/Flickr8k_text.zip"),
+    "flickr8k_images": Source(f"{MIRROR_8K}/Flickr8k_Dataset.zip"),
+    "train2014": Source("http://images.cocodataset.org/zips/train2014.zip"),
+    "val2014": Source("http://images.cocodataset.org/zips/val2014.zip"),
+    "train2017": Source("http://images.cocodataset.org/zips/train2017.zip"),
+    "val2017": Source("http://images.cocodataset.org/zips/val2017.zip"),
+    "annotations2014": Source("http://images.cocodataset.org/annotations/annotations_trainval2014.zip"),
+    "annotations2017": Source("http://images.cocodataset.org/annotations/annotations_trainval2017.zip"),
+}
+
+Splits = dict  # Karpathy's format: {"images": [{"filepath", "filename", "split", "imgid", "sentences": [...]}]}
+
+
+def counts(karpathy: Splits) -> tuple[int, int, int]:
+    """Images in train (restval included), val and test."""
+    found = {"train": 0, "val": 0, "test": 0}
+    for image in karpathy["images"]:
+        split = "train" if image["split"] == "restval" else image["split"]
+        found[split] = found.get(split, 0) + 1
+    return found["train"], found["val"], found["test"]
+
+
+def _image(filepath: str, filename: str, split: str, index: int, captions: list[str], cocoid: int | None) -> dict:
+    record = {"filepath": filepath, "filename": filename, "split": split, "imgid": index}
+    record["sentences"] = [{"raw": caption, "tokens": []} for caption in captions]
+    return record | ({"cocoid": cocoid} if cocoid is not None else {})
+
+
+def from_karpathy_zip(files: list[Path], split_file: str) -> Splits:
+    """`caption_datasets.zip`: the split file itself."""
+    with zipfile.ZipFile(files[0]) as archive:
+        member = next((name for name in archive.namelist() if Path(name).name == split_file), None)
+        if member is None:
+            raise ValueError(f"it holds no {split_file}")
+        return json.loads(archive.read(member))
+
+
+def from_lavis(files: list[Path], split_file: str) -> Splits:
+    """BLIP's and LAVIS's files, train, val and test: the train file has one entry per caption ({"image":
+    "val2014/COCO_val2014_000000116100.jpg", "caption": str}), val and test one per image with its captions (a list).
+    COCO's image ids are read from the file names."""
+    images: dict[str, dict] = {}
+    for path, split in zip(files, ("train", "val", "test"), strict=True):
+        for entry in json.loads(path.read_text(encoding="utf-8")):
+            name = entry["image"]
+            captions = entry["caption"] if isinstance(entry["caption"], list) else [entry["caption"]]
+            if name not in images:
+                filepath, _, filename = name.rpartition("/")
+                cocoid = re.search(r"_(\d+)\.\w+$", filename)
+                cocoid = int(cocoid.group(1)) if cocoid and filename.startswith("COCO_") else None
+                images[name] = _image(filepath, filename, split, len(images), [], cocoid)
+            images[name]["sentences"] += [{"raw": caption, "tokens": []} for caption in captions]
+    return {"images": list(images.values()), "dataset": Path(split_file).stem.removeprefix("dataset_")}
+
+
+TOKENS_8K = "Flickr8k.token.txt"
+LISTS_8K = {"train": "Flickr_8k.trainImages.txt", "val": "Flickr_8k.devImages.txt", "test": "Flickr_8k.testImages.txt"}
+
+
+def flickr8k_splits(read: Callable[[str], str]) -> Splits:
+    """Flickr8k's own text files (`read(name)` gives one's text): `Flickr8k.token.txt` (`<image>#<n>\\t<caption>`
+    lines) and the train, dev and test lists of image names, the split Karpathy's `dataset_flickr8k.json` holds."""
+    captions: dict[str, list[str]] = {}
+    for line in read(TOKENS_8K).splitlines():
+        key, _, caption = line.partition("\t")
+        if caption.strip():
+            captions.setdefault(key.rsplit("#", 1)[0], []).append(caption.strip())
+    images = []
+    for split, listing in LISTS_8K.items():
+        for name in read(listing).split():
+            images.append(_image("", name, split, len(images), captions.get(name, []), None))
+    return {"images": images, "dataset": "flickr8k"}
+
+
+def from_flickr8k_zip(files: list[Path], split_file: str) -> Splits:
+    """The mirror's `Flickr8k_text.zip`: the text files at its top or in a folder."""
+    with zipfile.ZipFile(files[0]) as archive:
+        names = {Path(name).name: name for name in archive.namelist() if not name.startswith("__MACOSX")}
+        missing = [name for name in (TOKENS_8K, *LISTS_8K.values()) if name not in names]
+        if missing:
+            raise ValueError(f"it holds no {', '.join(missing)}")
+        return flickr8k_splits(lambda name: io.TextIOWrapper(archive.open(names[name]), encoding="utf-8").read())
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to a split file: the sources it downloads, and how what they give becomes the file."""
+
+    sources: tuple[str, ...]
+    read: Callable[[list[Path], str], Splits]
+
+
+@dataclass(frozen=True)
+class Images:
+    """An image archive: its source, the folder at its top, and whether that folder is the dataset's image root
+    itself (Flickr8k's `Flicker8k_Dataset/`) or one under it (COCO's `train2014/`, a Karpathy file's filepath)."""
+
+    source: str
+    folder: str
+    is_root: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `download: true` fetches for a Karpathy split file, in order: the file (from the first route that gives
+    the split's counts), then the image archives that are not on disk. `section` is data/README.md's, for a file put
+    in place by hand."""
+
+    counts: tuple[int, int, int]
+    routes: tuple[Route, ...]
+    images: tuple[Images, ...]
+    section: str
+
+
+KARPATHY_ZIP = Route(("karpathy",), from_karpathy_zip)
+PLANS = {
+    "dataset_coco.json": Plan(
+        (113_287, 5_000, 5_000),
+        (KARPATHY_ZIP, Route(("coco_karpathy_train", "coco_karpathy_val", "coco_karpathy_test"), from_lavis)),
+        (Images("train2014", "train2014"), Images("val2014", "val2014")),
+        "MS-COCO (Karpathy splits, the usual setting)",
+    ),
+    "dataset_flickr8k.json": Plan(
+        (6_000, 1_000, 1_000),
+        (KARPATHY_ZIP, Route(("flickr8k_text",), from_flickr8k_zip)),
+        (Images("flickr8k_images", "Flicker8k_Dataset", is_root=True),),
+        "Flickr8k",
+    ),
+    "dataset_flickr30k.json": Plan(
+        (29_000, 1_014, 1_000),
+        (KARPATHY_ZIP, Route(("flickr30k_train", "flickr30k_val", "flickr30k_test"), from_lavis)),
+        (),  # no public source of the images
+        "Flickr30k",
+    ),
+}
