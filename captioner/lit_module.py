@@ -213,7 +213,7 @@ class CaptioningModule(L.LightningModule):
             if datamodule is None or "train" not in getattr(datamodule, "datasets", {}):
                 raise ConfigError("objective scst needs captioner's datamodule: its training split's references")
             hp, references = self.hparams, datamodule.datasets["train"].references
-            options = (hp.scst_samples, hp.scst_baseline, hp.max_caption_len, getattr(datamodule, "data_dir", None))
+            options = (hp.scst_samples, hp.scst_baseline, hp.max_caption_len, getattr(datamodule, "cache", None))
             self.objective = SelfCritical(references, self.vocab, *options)
 
     def _shared_step(self, batch: dict, stage: str, objective=None) -> torch.Tensor:

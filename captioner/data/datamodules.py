@@ -3,7 +3,10 @@ every dataset, and the two kinds there are: the built-in shapes set and real cap
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -29,6 +32,26 @@ from captioner.models.encoder import Encoder
 log = logging.getLogger(__name__)
 
 
+def writable(folder: Path) -> bool:
+    """Whether files can be made in `folder` (made first if missing): tried, not judged from permission bits, which
+    root ignores and a read-only mount overrides."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def user_cache() -> Path:
+    """This user's cache folder for captioner ($XDG_CACHE_HOME/captioner, or ~/.cache/captioner)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "captioner"
+
+
+def _digest(folder: Path) -> str:
+    return hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
+
+
 def _tokens(source: CaptionSource, index: int) -> list[list[str]]:
     """The tokens of image `index`'s captions: the split's own (`CaptionSet.tokens`, made once), or tokenized here."""
     if hasattr(source, "tokens"):
@@ -45,7 +68,12 @@ class CaptionDataModule(L.LightningDataModule):
     a Trainer, pass it to `set_encoder` first.
 
     Args:
-        data_dir: where the data, its vocabulary and the feature cache live.
+        data_dir: where the data is. It is only read, unless `download` fetches what is missing, or it is the cache
+            folder (below).
+        cache_dir: where what captioner derives from the data goes: its splits, vocabulary, feature and image caches,
+            CIDEr tables. Default: the data folder itself, or, where that cannot be written (a lab's shared, read-only
+            copy of COCO), a folder of this user's cache ($XDG_CACHE_HOME or ~/.cache, captioner/<data folder>-<hash
+            of its path>), said in one line.
         batch_size: images (or caption pairs) per batch.
         num_workers: DataLoader workers for image loading (cached features are read in the main process, one read of
             its rows per batch: the random caption draws and the resume stay in this process).
@@ -68,6 +96,7 @@ class CaptionDataModule(L.LightningDataModule):
     def __init__(
         self,
         data_dir: str = "data",
+        cache_dir: str | None = None,
         batch_size: int = 64,
         num_workers: int = 2,
         prefetch: int = 2,
@@ -91,6 +120,8 @@ class CaptionDataModule(L.LightningDataModule):
         if prefetch < 0 or num_workers < 0:
             raise ConfigError(f"num_workers and prefetch cannot be negative, got {num_workers} and {prefetch}")
         self.data_dir = Path(data_dir)
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self._cache: Path | None = None  # the cache folder, once decided (`cache`)
         self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
         self.feature_cache, self.image_cache, self.train_captions = feature_cache, image_cache, train_captions
         self.min_word_count, self.max_vocab_size = min_word_count, max_vocab_size
@@ -101,6 +132,19 @@ class CaptionDataModule(L.LightningDataModule):
 
     def make_split(self, split: str) -> CaptionSource:
         raise NotImplementedError
+
+    @property
+    def cache(self) -> Path:
+        """The folder for what captioner derives from the data (`cache_dir`), decided when first needed."""
+        if self._cache is None:
+            self._cache = self.cache_dir or self.data_dir
+            if self.cache_dir is None and not writable(self.data_dir):
+                self._cache = user_cache() / f"{self.data_dir.resolve().name}-{_digest(self.data_dir)}"
+                rank_zero_info(
+                    f"{self.data_dir}: cannot be written; what captioner derives from it (splits, vocabulary, caches) "
+                    f"goes to {self._cache} (--data.init_args.cache_dir chooses another folder)"
+                )
+        return self._cache
 
     def split(self, split: str) -> CaptionSource:
         if split not in self._splits:
@@ -114,7 +158,7 @@ class CaptionDataModule(L.LightningDataModule):
         if self._vocab is None:
             train = self.split("train")
             limits = f"tok{TOKENIZER_VERSION}-min{self.min_word_count}-max{self.max_vocab_size}"
-            path = self.data_dir / f"vocab-{train.identity}-{limits}.json"
+            path = self.cache / f"vocab-{train.identity}-{limits}.json"
             with build_lock(path):
                 if path.exists():
                     self._vocab = Vocabulary.load(path)
@@ -165,14 +209,14 @@ class CaptionDataModule(L.LightningDataModule):
         augment = self.augment and split == "train"
         features = images = None
         if self.feature_cache and encoder.frozen and not augment:
-            cache = FeatureCache(self.data_dir / "features", encoder, source)
+            cache = FeatureCache(self.cache / "features", encoder, source)
             instead = "the encoder will run at every step instead" + (
                 " (on the image cache)" if self.image_cache else ""
             )
             options = {"batch_size": self.batch_size, "num_workers": self.num_workers, "device": self._device()}
             features = cache if shared(cache, self.trainer, instead, **options) else None
         if features is None and self.image_cache:
-            cache = ImageCache(self.data_dir / "image_cache", encoder.preprocessing, source)
+            cache = ImageCache(self.cache / "image_cache", encoder.preprocessing, source)
             instead = "images are read from their files instead"
             images = cache if shared(cache, self.trainer, instead, num_workers=self.num_workers) else None
         # Images leave the loader as uint8, and the encoder normalises them on its device (4x fewer bytes to copy);
@@ -346,9 +390,11 @@ class CocoDataModule(CaptionDataModule):
         prepare(self.data_dir, self.format, self.year, self.split_file, self.image_root, self.urls, self.checksums)
 
     def make_split(self, split: str) -> EncodedSplit:
-        """The split, read once from the dataset's files and kept under data_dir/splits/ (`SplitFiles.split`)."""
+        """The split, read once from the dataset's files and kept under the cache folder's splits/
+        (`SplitFiles.split`)."""
         # The vocabulary (and so the model) is built when the CLI starts, before Lightning calls prepare_data:
         # download here first. It is idempotent, so Lightning's own call later costs nothing.
         if self.download:
             self.prepare_data()
+        self.split_files.cache_dir = self.cache
         return self.split_files.split(split)

@@ -170,26 +170,44 @@ def prepare(
     absolute or under `folder`). checksums: source name -> SHA-256; urls: source name -> a mirror's address."""
     if format == "custom":
         return
+    steps = _steps(folder, format, year, split_file, image_root)
+    if all(marker.exists() for marker, _ in steps):  # nothing to do: a read-only folder is not written to
+        return
     with build_lock(folder):
         downloads = folder / "downloads"
-        if format == "coco":
-            marker = folder / "annotations" / f"captions_train{year}.json"
-            fetch_and_extract(f"annotations{year}", urls, folder, marker, checksums, downloads=downloads)
-            for part in (f"train{year}", f"val{year}"):
-                fetch_and_extract(part, urls, folder, folder / part, checksums, downloads=downloads)
-        else:
-            plan = PLANS.get(Path(split_file).name)
-            target = folder / split_file
-            if not target.exists():
-                if plan is None:
-                    raise DownloadError(f"{target}: missing, and no source of it is known; see data/README.md")
-                make_split_file(target, plan, urls, checksums, downloads)
-            root = folder / image_root  # where the images are looked for; an absolute image_root anywhere
-            for images in plan.images if plan is not None else ():
-                marker = root if images.is_root else root / images.folder
-                top = images.folder if images.is_root else ""
-                fetch_and_extract(images.source, urls, root, marker, checksums, top, downloads)
+        for marker, fetch in steps:
+            if not marker.exists():
+                fetch(urls, checksums, downloads)
         shutil.rmtree(downloads, ignore_errors=True)
+
+
+def _archive(name: str, folder: Path, marker: Path, top: str = ""):
+    """The step that fetches and extracts the archive of source `name` (`fetch_and_extract`)."""
+    return lambda urls, checksums, downloads: fetch_and_extract(name, urls, folder, marker, checksums, top, downloads)
+
+
+def _steps(folder: Path, format: str, year: int, split_file: str, image_root: str) -> list:
+    """What `prepare` makes, in order, small files first: (the path whose presence says it is there, the step that
+    makes it from urls, checksums and the downloads folder)."""
+    if format == "coco":
+        annotations = folder / "annotations" / f"captions_train{year}.json"
+        parts = [folder / f"train{year}", folder / f"val{year}"]
+        return [(annotations, _archive(f"annotations{year}", folder, annotations))] + [
+            (part, _archive(part.name, folder, part)) for part in parts
+        ]
+    plan, target = PLANS.get(Path(split_file).name), folder / split_file
+
+    def split(urls: dict, checksums: dict, downloads: Path) -> None:
+        if plan is None:
+            raise DownloadError(f"{target}: missing, and no source of it is known; see data/README.md")
+        make_split_file(target, plan, urls, checksums, downloads)
+
+    steps = [(target, split)]
+    root = folder / image_root  # where the images are looked for; an absolute image_root anywhere
+    for images in plan.images if plan is not None else ():
+        marker = root if images.is_root else root / images.folder
+        steps.append((marker, _archive(images.source, root, marker, images.folder if images.is_root else "")))
+    return steps
 
 
 def make_split_file(target: Path, plan: Plan, urls: dict, checksums: dict, downloads: Path) -> None:

@@ -45,7 +45,7 @@ SOURCES = {
     "flickr30k_train": Source(f"{LAVIS}/flickr30k_train.json"),
     "flickr30k_val": Source(f"{LAVIS}/flickr30k_val.json"),
     "flickr30k_test": Source(f"{LAVIS}/flickr30k_test.json"),
-    # No digest is published for these: the split's counts, and the images' when extracted, are checked instead
+    # No digest is published for these: the split file made from them is checked by its counts
     "flickr8k_text": Source(f"{MIRROR_8K}/Flickr8k_text.zip"),
     "flickr8k_images": Source(f"{MIRROR_8K}/Flickr8k_Dataset.zip"),
     "train2014": Source("http://images.cocodataset.org/zips/train2014.zip"),

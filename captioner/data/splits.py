@@ -168,9 +168,9 @@ class SplitTokens(Sequence):
 
 @dataclass
 class SplitFiles:
-    """A real dataset's splits, each read once from the dataset's files and kept under data_dir/splits/ (`split`). The
-    fields are the DataModule's options of those names (`captioner.data.datamodules.CocoDataModule` says the layouts).
-    """
+    """A real dataset's splits, each read once from the dataset's files and kept under the cache folder's splits/
+    (`split`). The fields are the DataModule's options of those names (`captioner.data.datamodules.CocoDataModule`
+    says the layouts)."""
 
     data_dir: Path
     format: str = "karpathy"
@@ -182,6 +182,7 @@ class SplitFiles:
     val_fraction: float = 0.1
     test_fraction: float = 0.1
     max_train_caption_len: int = 50
+    cache_dir: Path | None = None  # where the splits are kept (under splits/); None: data_dir
     _karpathy: dict[str, list] | None = field(default=None, init=False, repr=False)  # every split's, once read
 
     def split(self, split: str) -> EncodedSplit:
@@ -256,7 +257,7 @@ class SplitFiles:
         options += [str(images), str(images.resolve()), self.max_train_caption_len if split == "train" else None]
         options += [self.year, self.val_fraction, self.test_fraction] if self.format != "karpathy" else []
         key = hashlib.sha256(json.dumps(options).encode()).hexdigest()[:16]
-        return name, self.data_dir / "splits" / f"{name}-{key}.npz"
+        return name, (self.cache_dir or self.data_dir) / "splits" / f"{name}-{key}.npz"
 
     def _source_file(self, split: str) -> Path:
         """The file that `split` is read from: its annotations, the Karpathy file or the captions file."""
