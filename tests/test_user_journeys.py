@@ -136,3 +136,64 @@ def test_a_shipped_config_trains_tests_evaluates_predicts_and_captions(path, tmp
     assert exit_info.value.code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert sorted(Path(line.split("\t")[0]).name for line in lines) == sorted(p.name for p in images.iterdir())
+
+
+READ_ONLY = """
+set -e
+mount --bind "$DATA" "$DATA"
+mount -o remount,bind,ro "$DATA"
+touch "$DATA/probe" 2>/dev/null && { echo "the bind mount is writable"; exit 3; }
+"$@"
+"""
+
+
+@pytest.mark.ci
+def test_a_read_only_dataset_folder_trains_evaluates_and_resumes(tmp_path):
+    """A lab's shared copy of a dataset, which no run may write to: fit, evaluate and a resume work, one line says
+    where the splits, vocabulary and caches went instead (this user's cache folder), and the dataset folder is
+    unchanged. Root ignores permission bits, so as root (CI) the folder is bind-mounted read-only in a mount namespace
+    of its own; otherwise its permission bits are taken away."""
+    import os
+    import subprocess
+    import sys
+
+    config = yaml.safe_load((REPO / "configs" / "custom.yaml").read_text())
+    write_for_config(config["data"], tmp_path)
+    data = tmp_path / config["data"]["init_args"]["data_dir"]
+    before = sorted(str(p.relative_to(data)) for p in data.rglob("*"))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO), "DATA": str(data)}
+    args, data_args = overrides(config)
+    fit = [sys.executable, "-m", "captioner.cli", "fit", "--config", str(REPO / "configs" / "custom.yaml"), *args]
+    evaluate = [sys.executable, "-m", "captioner.cli", "evaluate", "--config", str(REPO / "configs" / "custom.yaml")]
+    evaluate += ["--ckpt_path", "checkpoints/custom/best.ckpt", "--output", "evaluation", *data_args]
+    resume = [*fit[: -len(args)], *args, "--trainer.max_epochs=3", "--ckpt_path", "last"]
+    commands = [fit, evaluate, resume]
+    if os.geteuid() == 0:
+        probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("as root, without a mount namespace to bind-mount the dataset read-only in")
+        wrap = lambda command: ["unshare", "--mount", "sh", "-c", READ_ONLY, "sh", *command]  # noqa: E731
+    else:
+        for path in [data, *data.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        wrap = lambda command: command  # noqa: E731
+    outputs = []
+    try:
+        for command in commands:
+            ran = subprocess.run(wrap(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            assert ran.returncode == 0, (command[3], ran.stdout[-2000:], ran.stderr[-3000:])
+            outputs.append(ran.stdout + ran.stderr)
+    finally:
+        for path in [data, *data.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    cache = next((tmp_path / "xdg" / "captioner").iterdir())
+    said = [line for line in outputs[0].splitlines() if "cannot be written" in line]
+    assert said and said[0].endswith(
+        f"{config['data']['init_args']['data_dir']}: cannot be written; what captioner derives from it (splits, vocabulary, caches) goes to {cache} "
+        "(--data.init_args.cache_dir chooses another folder)"
+    ), outputs[0][-3000:]
+    assert {p.name for p in cache.iterdir()} >= {"splits", "features"} and any(cache.glob("vocab-*.json"))
+    assert sorted(str(p.relative_to(data)) for p in data.rglob("*")) == before
+    assert (tmp_path / "evaluation" / "metrics.json").is_file()
+    resumed = torch.load(tmp_path / "checkpoints" / "custom" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["epoch"] == 2
