@@ -188,8 +188,9 @@ def test_a_read_only_dataset_folder_trains_evaluates_and_resumes(tmp_path):
             path.chmod(path.stat().st_mode | 0o200)
     cache = next((tmp_path / "xdg" / "captioner").iterdir())
     said = [line for line in outputs[0].splitlines() if "cannot be written" in line]
+    folder = config["data"]["init_args"]["data_dir"]  # as the config spells it
     assert said and said[0].endswith(
-        f"{config['data']['init_args']['data_dir']}: cannot be written; what captioner derives from it (splits, vocabulary, caches) goes to {cache} "
+        f"{folder}: cannot be written; what captioner derives from it (splits, vocabulary, caches) goes to {cache} "
         "(--data.init_args.cache_dir chooses another folder)"
     ), outputs[0][-3000:]
     assert {p.name for p in cache.iterdir()} >= {"splits", "features"} and any(cache.glob("vocab-*.json"))

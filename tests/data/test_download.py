@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from captioner.data.download import DownloadError, download, extract, fetch_and_extract
+from tests.conftest import REPO
 
 
 class RangeHandler(BaseHTTPRequestHandler):
@@ -337,3 +338,39 @@ def test_extraction_into_an_existing_folder_moves_the_marker_last(tmp_path, monk
         "captions_val2014.json",
         "instances_train2014.json",
     ]
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize("config", ["coco_lite0", "flickr8k"])
+def test_a_shipped_config_fits_on_what_its_sources_give_small_files_first(
+    server, tmp_path, tiny_counts, monkeypatch, capfd, config
+):
+    """`captioner fit --config configs/<config>.yaml` on a fresh folder, with a loopback server standing in for the
+    internet: Karpathy's zip answers 404, the split comes from the next source (LAVIS's files; Flickr8k's own text
+    files), and only then are the image archives asked for (the server's log); the fit trains on them."""
+    from tests.conftest import run_main
+
+    server.files.pop("/stanford/caption_datasets.zip", None)
+    if config == "coco_lite0":
+        urls = serve_coco(server, karpathy_zip=False)
+        split_files = [f"/lavis/coco_karpathy_{s}.json" for s in ("train", "val", "test")]
+        archives = ["/coco/train2014.zip", "/coco/val2014.zip"]
+    else:
+        server.files["/8k/Flickr8k_text.zip"] = zip_of(flickr8k_text())
+        server.files["/8k/Flickr8k_Dataset.zip"] = zip_of(
+            {f"Flicker8k_Dataset/{name}": jpeg(photo) for name, photo in PHOTOS.items()}
+        )
+        urls = {"karpathy": url(server, "/stanford/caption_datasets.zip")}
+        urls |= {
+            f"flickr8k_{n}": url(server, f"/8k/{f}")
+            for n, f in (("text", "Flickr8k_text.zip"), ("images", "Flickr8k_Dataset.zip"))
+        }
+        split_files, archives = ["/8k/Flickr8k_text.zip"], ["/8k/Flickr8k_Dataset.zip"]
+    monkeypatch.chdir(tmp_path)
+    sizes = ["--trainer.max_epochs=1", "--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
+    data = [f"--data.init_args.data_dir={tmp_path / 'data'}", f"--data.init_args.urls={json.dumps(urls)}"]
+    data += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1"]
+    ran = run_main(capfd, "fit", "--config", str(REPO / "configs" / f"{config}.yaml"), *sizes, *data)
+    assert ran.status == 0, ran.err[-3000:]
+    assert server.asked == ["/stanford/caption_datasets.zip", *split_files, *archives]
+    assert (tmp_path / "checkpoints" / config / "last.ckpt").is_file()
