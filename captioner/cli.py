@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from captioner.errors import CaptionerError, ConfigError
+from captioner.errors import CaptionerError, ConfigError, install_hint
 
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
@@ -481,7 +481,7 @@ def serve(argv: list[str]) -> None:
     try:
         from captioner.serve import serve as run
     except ImportError as err:
-        raise ConfigError(f"captioner serve needs {err.name}: pip install 'captioner[serve]'") from None
+        raise ConfigError(f"captioner serve needs {err.name}: {install_hint('serve')}") from None
     run(_bundled_unless_given(args.checkpoint), args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
 
 

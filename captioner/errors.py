@@ -17,3 +17,9 @@ def check_choice(option: str, value, choices) -> None:
     """The one-line error for a setting that is not one of its `choices`."""
     if value not in choices:
         raise ConfigError(f"unknown {option} {value!r}; choose one of {', '.join(map(str, choices))}")
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an optional part (an extra of pyproject.toml), as run in captioner's folder: the
+    package is installed from its clone, and not from an index."""
+    return f"run `make install` in captioner's folder, or `pip install -e '.[{extra}]'` there"

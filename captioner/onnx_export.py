@@ -35,7 +35,7 @@ from torch import nn
 
 from captioner.checkpoints import build_model, model_file, resolve
 from captioner.data.vocab import _patterns
-from captioner.errors import CaptionerError, ConfigError, check_choice
+from captioner.errors import CaptionerError, ConfigError, check_choice, install_hint
 from captioner.files import write_text_atomically
 from captioner.models.decoding import LENGTH_PENALTY
 from captioner.models.show_attend_tell import ShowAttendTell
@@ -98,7 +98,7 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
         check_choice("int8", int8, INT8)
     missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ConfigError(f"an ONNX export needs {', '.join(missing)}: pip install 'captioner[onnx]'")
+        raise ConfigError(f"an ONNX export needs {', '.join(missing)}: {install_hint('onnx')}")
     name = name or str(checkpoint)
     file = model_file(resolve(checkpoint), name)
     model = build_model(file, name).eval()

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from captioner.errors import ConfigError, install_hint
+
 log = logging.getLogger(__name__)
 
 # Labels are drawn in DejaVu Sans, shipped with the package (assets/LICENSE-DejaVu.txt): Latin with any diacritics,
@@ -173,7 +175,10 @@ def plot_attention(
     of its attention in its strongest tenth of the cells, `top_tenth_share`: uniform attention's is in the image's
     title), every word on one colour scale of α with a colour bar (`per_word`: each word on its own scale, without a
     bar)."""
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(f"plot_attention needs matplotlib: {install_hint('plot')}") from None
 
     alphas = _numpy(alphas)[: len(words)]
     if grid_hw is None:

@@ -239,7 +239,14 @@ class CaptionDataModule(L.LightningDataModule):
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
         for split in wanted:
             if split not in self.datasets:
-                self.datasets[split] = self._dataset(split, self.train_captions if split == "train" else "first")
+                self.datasets[split] = dataset = self._dataset(
+                    split, self.train_captions if split == "train" else "first"
+                )
+                table = dataset.captions  # said first, so that a wrong split or folder is seen at once
+                rank_zero_info(
+                    f"{split} split: {len(table):,} images, {int(table.counts.sum()):,} captions "
+                    f"({dataset.source.identity})"
+                )
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         dataset = self.datasets[split]

@@ -232,3 +232,20 @@ def test_an_annotation_that_names_its_file_in_another_case_is_kept_where_names_i
     monkeypatch.setattr(os.path, "lexists", lambda path: lexists(os.path.join(*os.path.split(path)[:-1], name)))
     kept, summary = clean(records, None, "photos")
     assert [r.image for r in kept] == [records[0].image] and summary is None
+
+
+def test_a_run_first_says_each_split_s_images_and_captions(tmp_path, caplog):
+    """The counts of each split, said when it is set up (the first lines of a run), so that a wrong split file or
+    folder is seen at once."""
+    write_karpathy(tmp_path)
+    module = CocoDataModule(str(tmp_path), format="karpathy", num_workers=0, min_word_count=1)
+    with caplog.at_level(logging.INFO):
+        module.setup("fit")
+    said = [r.getMessage() for r in caplog.records if " split: " in r.getMessage()]
+    tables = {split: module.datasets[split].captions for split in ("train", "val")}
+    identity = {split: module.split(split).identity for split in tables}
+    assert said == [
+        f"{split} split: {len(t):,} images, {int(t.counts.sum()):,} captions ({identity[split]})"
+        for split, t in tables.items()
+    ]
+    assert len(tables["train"]) > 0 and len(tables["val"]) > 0
