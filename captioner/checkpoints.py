@@ -247,7 +247,14 @@ def model_options(hparams: dict) -> dict:
 def build_model(file: ModelFile, name: str) -> ShowAttendTell:
     """The model a file describes, with its weights. A file that holds its encoder's weights needs no pretrained
     source; one that left them out has them rebuilt from it, and checked."""
-    model = ShowAttendTell(len(file.vocab), **model_options(file.hparams) | {"pretrained": not file.has_encoder})
+    try:
+        model = ShowAttendTell(len(file.vocab), **model_options(file.hparams) | {"pretrained": not file.has_encoder})
+    except WeightsUnavailableError as err:  # a file that left its encoder out, whose source is not on this machine
+        backbone = file.hparams.get("backbone", "its backbone")
+        raise WeightsUnavailableError(
+            f"{name}: it left out its {backbone} encoder, to be rebuilt from the pretrained weights, which are not on "
+            f"this machine ({err}); where they are, `captioner export --include-encoder` writes a file that holds them"
+        ) from None
     weights = with_encoder(file.weights, model.encoder, file.fingerprint, name)
     try:
         model.load_state_dict(weights)

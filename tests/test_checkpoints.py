@@ -11,6 +11,7 @@ import torch
 from captioner.api import Captioner
 from captioner.checkpoints import (
     ANNOTATION_FINGERPRINT,
+    EXPORT_FORMAT,
     FINGERPRINT,
     Fingerprint,
     build_model,
@@ -24,6 +25,7 @@ from captioner.data.features import FeatureCache
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import CaptionerError
 from captioner.models.encoder import Encoder
+from captioner.models.show_attend_tell import ShowAttendTell
 from tests.conftest import tiny_fit_args
 
 IMAGES = [ShapesDataset("test", 3, seed=5).load_image(i) for i in range(3)]
@@ -308,3 +310,31 @@ def test_a_checkpoint_at_an_fsspec_url_loads_through_lightning_s_reader(tiny_che
     assert restored.vocab.to_list() == original.vocab.to_list()
     for name, weight in original.state_dict().items():
         assert torch.equal(restored.state_dict()[name], weight), name
+
+
+def test_a_file_that_left_out_an_encoder_whose_weights_are_not_here_says_how_to_export_one_that_holds_them(
+    tmp_path, monkeypatch
+):
+    """An exported ResNet model leaves out its pretrained encoder, which loading rebuilds from torchvision's weights:
+    where they cannot be had (offline, none cached), one line names the file and `--include-encoder`, not "set
+    pretrained: false", which was said at e647ee0 and cannot apply to a file."""
+    import captioner.models.encoder as encoder_module
+    from captioner.errors import WeightsUnavailableError
+
+    def unavailable(weights, name):
+        raise WeightsUnavailableError(f"cannot download {name} weights (offline)")
+
+    model = ShowAttendTell(30, backbone="resnet50", pretrained=False, embed_dim=8, decoder_dim=8, attention_dim=8)
+    weights = {k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")}
+    hparams = {"backbone": "resnet50", "embed_dim": 8, "decoder_dim": 8, "attention_dim": 8}
+    path = tmp_path / "resnet.pt"
+    state = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": [f"w{i}" for i in range(30)], "state_dict": weights}
+    torch.save(state | {FINGERPRINT: "0" * 16}, path)
+    monkeypatch.setattr(encoder_module, "_torchvision_state_dict", unavailable)
+    with pytest.raises(WeightsUnavailableError) as refused:
+        Captioner.load(path)
+    assert str(refused.value) == (
+        f"{path}: it left out its resnet50 encoder, to be rebuilt from the pretrained weights, which are not on this "
+        "machine (cannot download resnet50 weights (offline)); where they are, `captioner export --include-encoder` "
+        "writes a file that holds them"
+    )

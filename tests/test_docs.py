@@ -1,0 +1,178 @@
+"""The docs cannot drift from the code: every `captioner ...` command in README.md, docs/*.md and data/README.md (in a
+code block or inline) is checked without running it, against the CLI's own parsers: its subcommand exists, each
+option it gives is one of that command's (with a value among its choices, where it has some), a Lightning command
+parses whole (`--print_config`), and every path of the repository it names exists. So do the files the docs name,
+and the options of the README's table of `--model.<name>` options."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from captioner import cli
+from captioner.checkpoints import RENAMED
+from tests.conftest import REPO
+
+DOCS = [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LIGHTNING = ("fit", "validate", "test", "predict")
+OURS = {"caption": cli.caption, "evaluate": cli.evaluate, "export": cli.export_model, "serve": cli.serve}
+OURS["demo"] = cli.demo
+REPOSITORY_PATHS = ("configs/", "docs/", "notebooks/", "benchmarks/", "captioner/", "deploy/", "tests/", "data/README")
+
+
+def commands(text: str) -> list[list[str]]:
+    """Each `captioner` command in a markdown text, as its words after `captioner`: from code blocks (continued
+    lines joined, comments left out) and inline code."""
+    lines = []
+    for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`((?:\.venv/bin/)?captioner [^`]+)`", text)
+    found = []
+    for line in lines:
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # not shell (a Python line with an unbalanced quote)
+            continue
+        while words and words[0] in ("srun", "torchrun"):
+            words = words[1:]
+        if words and Path(words[0]).name == "captioner":
+            found.append([word for word in words[1:] if word != "..."])  # "..." elides the rest in prose
+    return found
+
+
+DOCUMENTED = [
+    pytest.param(words, id=f"{path.relative_to(REPO)}: captioner {' '.join(words)}"[:150])
+    for path in DOCS
+    for words in commands(path.read_text(encoding="utf-8"))
+]
+
+
+class _Parsed(Exception):
+    """Raised where a command would parse its arguments: the parser is all that is wanted of it."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(command: str, monkeypatch):
+    """The argparse parser of one of captioner's own commands, as the command builds it (`cli._parser`)."""
+    build = cli._parser
+
+    def capturing(function, **kwargs):
+        parser = build(function, **kwargs)
+
+        def parsed(*args, **kwargs):
+            raise _Parsed(parser)
+
+        parser.parse_args = parser.parse_known_args = parsed
+        return parser
+
+    monkeypatch.setattr(cli, "_parser", capturing)
+    with pytest.raises(_Parsed) as stopped:
+        OURS[command]([])
+    return stopped.value.parser
+
+
+def check_ours(command: str, words: list[str], monkeypatch) -> None:
+    parser = parser_of(command, monkeypatch)
+    options = {o: action for action in parser._actions for o in action.option_strings}
+    for i, word in enumerate(words):
+        if not word.startswith("-") or word == "-":
+            continue
+        name, _, value = word.partition("=")
+        if command == "evaluate" and name.startswith("--data."):  # the data's options, as in `captioner fit`
+            continue
+        assert name in options, f"`captioner {command}` has no option {name}"
+        choices = options[name].choices
+        if choices is not None:
+            value = value or (words[i + 1] if i + 1 < len(words) else "")
+            assert value in choices, f"`captioner {command} {name}` takes {sorted(choices)}, not {value!r}"
+
+
+def check_lightning(words: list[str]) -> None:
+    """The whole command through LightningCLI's parser, which prints the config it makes and stops."""
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as stopped:
+        cli.run_lightning_cli([*words, "--print_config"])
+    assert stopped.value.code == 0
+
+
+@pytest.mark.parametrize("words", DOCUMENTED)
+def test_a_documented_command_is_one_the_cli_takes(words, monkeypatch):
+    assert words, "`captioner` alone"
+    command = words[0]
+    assert command in cli.COMMANDS, f"no command {command!r}"
+    for word in words:
+        value = word.partition("=")[2] or word
+        if value.startswith(REPOSITORY_PATHS):
+            assert (REPO / value).exists(), f"{value}: not in the repository"
+    if command in LIGHTNING:
+        check_lightning(words)
+    else:
+        check_ours(command, words[1:], monkeypatch)
+
+
+def test_the_docs_hold_commands_of_every_kind():
+    """The extraction finds what the docs show: each command at least once (a broken pattern would check nothing)."""
+    shown = {words[0] for words in (p.values[0] for p in DOCUMENTED)}
+    assert shown >= {"fit", "test", "predict", "caption", "evaluate", "export", "serve"}, shown
+
+
+def test_every_file_the_docs_name_is_in_the_repository():
+    """A repository path or script named in the docs (`benchmarks/decode.py`, or a script by its name alone, such as
+    `gpu_check.py`) exists."""
+    scripts = {p.name for p in REPO.rglob("*.py") if ".venv" not in p.parts}
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for named in re.findall(r"`([\w./-]+\.(?:py|yaml|ipynb|md))`", text):
+            if named.startswith(REPOSITORY_PATHS):
+                assert (REPO / named).exists(), f"{path.name} names {named}, which is not in the repository"
+            elif "/" not in named and named.endswith(".py"):
+                assert named in scripts, f"{path.name} names {named}, which is no file of the repository"
+
+
+def test_the_readme_s_model_options_are_the_cli_s():
+    """Each option in the README's table of `--model.<name>` options is one the model takes (`--print_config`)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The model and its options", 1)[1].split("\n## ", 1)[0]
+    names = {name for row in re.findall(r"^\| (.+?) \|", section, re.M) for name in re.findall(r"`(\w+)`", row)}
+    model = printed_config("configs/shapes.yaml")["model"]
+    assert names and names <= model.keys(), sorted(names - model.keys())
+
+
+def printed_config(config: str) -> dict:
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), pytest.raises(SystemExit):
+        cli.run_lightning_cli(["fit", "--config", config, "--print_config"])
+    return yaml.safe_load(output.getvalue())
+
+
+def has(config: dict, keys: list[str]) -> bool:
+    """Whether a printed config holds the key path `keys`."""
+    node = config
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def test_every_option_the_docs_name_is_one_the_cli_takes():
+    """An option named in prose (`--model.alpha_c=1`, `--data.init_args.cache_dir`, `--trainer.precision`) is one
+    that `captioner fit` takes: a key of the config it prints, for the shapes set or for real captions."""
+    configs = [printed_config(f"configs/{name}.yaml") for name in ("shapes", "coco_lite0")]
+    pattern = r"--((?:model|trainer|data\.init_args|checkpoint|last_checkpoint)(?:\.\w+)+)"
+    renamed = {f"model.{old}" for old in RENAMED}  # named as what they were, beside their new names
+    for path in DOCS:
+        for option in sorted(set(re.findall(pattern, path.read_text(encoding="utf-8"))) - renamed):
+            keys = option.split(".")
+            if keys[0] == "trainer" and keys[1:2] == ["callbacks"]:  # a list of classes: not keyed by name
+                continue
+
+            taken = any(has(config, keys) for config in configs)
+            assert taken, f"{path.name} names --{option}, which fit does not take"
