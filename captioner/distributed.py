@@ -36,7 +36,7 @@ def gather(records: list) -> list:
 
 
 def rng_states() -> dict:
-    """The random generators that training draws from: Python's (a random caption per image) and torch's."""
+    """The random generators that training draws from: Python's (each epoch's seed of the caption draws) and torch's."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
 
@@ -49,13 +49,13 @@ def set_rng_states(states: dict) -> None:
 
 
 class RandomStates(Callback):
-    """Every process's random generators (Python's, which draws captions; torch's and CUDA's, which shuffle and drop
-    out), kept in each checkpoint and put back when a fit resumes from it: a run resumed from an epoch's end shuffles,
-    draws and drops out as the first would have, and ends with the same weights (tests/test_resume.py). The states go
-    back at the fit's start (after Lightning's sanity check, which runs on a copy of them), not when a checkpoint is
-    loaded for testing or captioning. On by default: `CaptioningModule.configure_callbacks` gives it to any Trainer
-    of the module. A checkpoint written before it was a callback kept the states beside the module's ("rng_states"):
-    those are read too."""
+    """Every process's random generators (Python's, which seeds each epoch's caption draws; torch's and CUDA's, which
+    shuffle and drop out), kept in each checkpoint and put back when a fit resumes from it: a run resumed from an
+    epoch's end shuffles, draws and drops out as the first would have, and ends with the same weights
+    (tests/test_resume.py). The states go back at the fit's start (after Lightning's sanity check, which runs on a
+    copy of them), not when a checkpoint is loaded for testing or captioning. On by default:
+    `CaptioningModule.configure_callbacks` gives it to any Trainer of the module. A checkpoint written before it was
+    a callback kept the states beside the module's ("rng_states"): those are read too."""
 
     def __init__(self):
         self.saved: list[dict] | None = None  # from the checkpoint being resumed: one per process of its run
