@@ -266,7 +266,7 @@ class CaptionDataModule(L.LightningDataModule):
             shuffle=shuffle,
             num_workers=workers,
             # Workers made anew each epoch get the dataset with that epoch's seed of caption draws (`new_epoch`)
-            persistent_workers=workers > 0 and not dataset.draws,
+            persistent_workers=workers > 0 and not dataset.draws_captions,
             collate_fn=collate,
             pin_memory=dataset.inputs.pin,
         )

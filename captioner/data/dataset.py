@@ -103,7 +103,7 @@ class CaptionDataset(Dataset):
         self.epoch_seed = 0  # the seed of this epoch's caption draws (`new_epoch`)
 
     @property
-    def draws(self) -> bool:
+    def draws_captions(self) -> bool:
         """Whether its items draw captions at random ("random" and "grouped")."""
         return self.mode in ("random", "grouped")
 
