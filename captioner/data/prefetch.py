@@ -155,8 +155,9 @@ class PrefetchingLoader(DataLoader):
         previous = self._reading() if self._reading is not None else None
         if previous is not None:  # an epoch cut short: it stops reading before this one begins
             previous.close()
-        if getattr(self.dataset, "draws_captions", False):  # its draws' seed, from this thread's generator, before any worker
-            self.dataset.new_epoch(random.getrandbits(64))  # is made (`CaptionDataset.new_epoch`)
+        # The seed of this epoch's caption draws, from this thread's generator, before any worker is made
+        if getattr(self.dataset, "draws_captions", False):
+            self.dataset.new_epoch(random.getrandbits(64))  # `CaptionDataset.new_epoch`
         iterator = super().__iter__()
         if self.prefetch < 1 or self.num_workers > 0:
             return iterator
