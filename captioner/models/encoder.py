@@ -11,6 +11,7 @@ import hashlib
 import math
 import socket
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from captioner.errors import ConfigError, WeightsUnavailableError, check_choice
+from captioner.errors import ConfigError, WeightsUnavailableError
 from captioner.models.compiling import compile_function
 
 STRIDES = (32, 16)  # a backbone's last feature map, or its last one at 1/16 of the input (the paper's 14x14 at 224)
@@ -186,6 +187,97 @@ BACKBONES: dict[str, Callable[[bool, int], Backbone]] = {  # (pretrained, stride
 }
 
 
+def _is_timm_model(name: str) -> bool:
+    import timm
+
+    return timm.is_model(name)
+
+
+class _LastFeatures(nn.Module):
+    """timm's feature extractor of one level (`features_only`, one `out_indices`): its map (B,C,h,w), not a list."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[-1]
+
+
+def _hub_answers() -> bool:
+    """Whether the Hugging Face hub (where timm's weights are) answers within seconds: offline, timm's own download
+    retries for most of a minute before it fails."""
+    from huggingface_hub import constants
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=5):
+            return True
+    except urllib.error.HTTPError:  # it answered
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _cached_hub_weights(name: str) -> str | None:
+    """The file of `name`'s pretrained weights in the Hugging Face cache, if they were downloaded before."""
+    import huggingface_hub
+    from timm.models import get_pretrained_cfg
+
+    config = get_pretrained_cfg(name)
+    repo = getattr(config, "hf_hub_id", None)
+    for filename in ("model.safetensors", "pytorch_model.bin", getattr(config, "hf_hub_filename", None)):
+        found = huggingface_hub.try_to_load_from_cache(repo, filename) if repo and filename else None
+        if isinstance(found, str):
+            return found
+    return None
+
+
+def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None) -> Backbone:
+    """Any timm model (`timm.list_models()`), through timm's feature API whatever its family: the last feature map, or
+    the last at 1/16 of the input (`stride` 16); for a vision transformer, its last block's patch tokens as a grid
+    (h x w; class and register tokens left out). Its preprocessing is its own pretrained config's (timm's resolver).
+    The weights: `weights`, a local file (safetensors or a state_dict); else, with `pretrained`, timm's from the
+    Hugging Face hub, or from its cache where the hub does not answer, or one line that names both ways."""
+    import timm
+
+    levels = timm.create_model(name, pretrained=False, features_only=True).feature_info.get_dicts()
+    at = [level["index"] for level in levels if stride == 32 or level["reduction"] == 16]  # a block's, a stage's
+    if not at:
+        found = ", ".join(f"1/{level['reduction']}" for level in levels)
+        raise ConfigError(f"{name} has no feature map at 1/16 of its input (it has {found})")
+    options = {"features_only": True, "out_indices": (at[-1],)}
+    if weights is not None:
+        if not pretrained:
+            raise ConfigError("backbone_weights are pretrained weights: set pretrained: true with them")
+        if not Path(weights).is_file():
+            raise ConfigError(f"{weights}: backbone weights file not found")
+    elif pretrained and not _hub_answers():
+        weights = _cached_hub_weights(name)
+        if weights is None:
+            raise WeightsUnavailableError(
+                f"{name}: its pretrained weights come from the Hugging Face hub, which does not answer, and are not in "
+                "its cache: give them as a file with --model.backbone_weights FILE (safetensors or a state_dict), "
+                "or set pretrained: false"
+            )
+    try:
+        overlay = {"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {}
+        model = timm.create_model(name, pretrained=pretrained, **options, **overlay)
+    except (RuntimeError, KeyError, ValueError, OSError) as err:  # a file of another model's weights, or unreadable
+        where = f"{weights}" if weights is not None else f"{name}'s pretrained weights"
+        reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        raise WeightsUnavailableError(f"{where}: cannot load them into {name} ({reason})") from None
+    config = timm.data.resolve_data_config({}, model=model)
+    interpolation = config["interpolation"] if config["interpolation"] in ("bilinear", "bicubic") else "bicubic"
+    preprocessing = Preprocessing(config["input_size"][-1], tuple(config["mean"]), tuple(config["std"]), interpolation)
+    inner = getattr(model, "model", None)  # a transformer's extractor wraps the model: its blocks are the stages
+    if inner is not None:
+        blocks = model.feature_info.module_name()[-1].rsplit(".", 1)[0]  # "blocks.11" -> "blocks"
+        stages = list(inner.get_submodule(blocks).children())
+    else:  # a convolutional network's: the stem's parts, then its stages
+        stages = list(model.children())
+    return Backbone(_LastFeatures(model), model.feature_info.channels()[-1], preprocessing, stages)
+
+
 def fold_batchnorm(module: nn.Module) -> int:
     """Fold each BatchNorm in eval mode into the convolution just before it, in place; returns how many it folded.
 
@@ -238,8 +330,12 @@ class Encoder(nn.Module):
     """Backbone -> annotation vectors (B, P, E), frozen by default (as in the paper).
 
     Args:
-        backbone: a name in `BACKBONES`.
-        pretrained: load ImageNet weights (offline for efficientnet_lite0; torchvision's cache for the ResNets).
+        backbone: a name in `BACKBONES` (their files keep their meaning), or any timm model name (`timm.list_models()`):
+            a convolutional network's last feature map, or a vision transformer's patch tokens as a grid (`_timm`).
+        pretrained: load ImageNet weights (offline for efficientnet_lite0; torchvision's cache for the ResNets; for a
+            timm name, the Hugging Face hub or its cache, or `backbone_weights`).
+        backbone_weights: a timm backbone's pretrained weights from a local file (safetensors or a state_dict), for
+            machines without the hub.
         grid_size: adaptive-average-pool the feature map to grid_size x grid_size (None keeps the native grid).
         image_size: input side in pixels (None: the backbone's default, 224).
         feature_stride: 32, the backbone's last feature map (7x7 at 224 pixels), or 16, its last map at 1/16 of the
@@ -254,14 +350,24 @@ class Encoder(nn.Module):
         grid_size: int | None = None,
         image_size: int | None = None,
         feature_stride: int = 32,
+        backbone_weights: str | None = None,
     ):
         super().__init__()
-        check_choice("backbone", backbone, BACKBONES)
         if grid_size is not None and grid_size < 1:
             raise ConfigError(f"grid_size must be positive, got {grid_size}")
         if feature_stride not in STRIDES:
             raise ConfigError(f"feature_stride must be 32 or 16, got {feature_stride}")
-        spec = BACKBONES[backbone](pretrained, feature_stride)
+        if backbone in BACKBONES:
+            if backbone_weights is not None:
+                raise ConfigError(f"backbone_weights is for timm's backbones; {backbone} gets its weights its own way")
+            spec = BACKBONES[backbone](pretrained, feature_stride)
+        elif _is_timm_model(backbone):
+            spec = _timm(backbone, pretrained, feature_stride, backbone_weights)
+        else:
+            raise ConfigError(
+                f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}, or a timm model name "
+                "(timm.list_models() lists them)"
+            )
         self.name = backbone
         self.pretrained = pretrained
         self.features = spec.features.to(memory_format=torch.channels_last)  # ~2x faster on CPU, also good on GPU
@@ -271,8 +377,12 @@ class Encoder(nn.Module):
         self.preprocessing = Preprocessing(
             size, spec.preprocessing.mean, spec.preprocessing.std, spec.preprocessing.interpolation
         )
-        native = math.ceil(size / feature_stride)
-        self.grid_hw = (grid_size, grid_size) if grid_size else (native, native)
+        if backbone in BACKBONES:
+            native = (math.ceil(size / feature_stride),) * 2
+        else:  # what the network gives at this size, asked of it once: a transformer's grid is its patches'
+            with torch.no_grad():
+                native = tuple(self.features.eval()(torch.zeros(1, 3, size, size)).shape[-2:])
+        self.grid_hw = (grid_size, grid_size) if grid_size else native
         self.pool = nn.AdaptiveAvgPool2d(self.grid_hw) if grid_size else nn.Identity()
         self.fine_tune(0)
         self._fingerprint: tuple[tuple, str] | None = None  # (the weights' storage when hashed, their hash)

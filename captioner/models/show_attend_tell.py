@@ -152,8 +152,11 @@ class ShowAttendTell(nn.Module):
 
     Args:
         vocab_size: V, the special tokens included.
-        backbone: the encoder's CNN, a name in `captioner.models.encoder.BACKBONES`.
+        backbone: the encoder's network: a name in `captioner.models.encoder.BACKBONES`, or any timm model name (a
+            convolutional network's last feature map, a vision transformer's patch grid), see `Encoder`.
         pretrained: load the backbone's ImageNet weights.
+        backbone_weights: a timm backbone's pretrained weights from a local file (safetensors or a state_dict): for
+            machines without the Hugging Face hub.
         grid_size: pool the feature map to grid_size x grid_size annotations (None: the backbone's own grid).
         image_size: input side in pixels (None: the backbone's default).
         feature_stride: 32 (the backbone's last feature map) or 16 (a 14x14 grid at 224 pixels), see `Encoder`.
@@ -183,6 +186,7 @@ class ShowAttendTell(nn.Module):
         grid_size: int | None = None,
         image_size: int | None = None,
         feature_stride: Literal[32, 16] = 32,
+        backbone_weights: str | None = None,
         alpha_c: float = 1.0,
         attention_entropy_penalty: float = 0.0,
         attention_mode: Literal["soft", "hard"] = "soft",
@@ -203,7 +207,7 @@ class ShowAttendTell(nn.Module):
             raise ConfigError(f"attention_mode must be 'soft' or 'hard', got {attention_mode!r}")
         if not 0 <= expected_context_p <= 1:
             raise ConfigError(f"expected_context_p must be in [0, 1], got {expected_context_p}")
-        self.encoder = Encoder(backbone, pretrained, grid_size, image_size, feature_stride)
+        self.encoder = Encoder(backbone, pretrained, grid_size, image_size, feature_stride, backbone_weights)
         self.decoder = AttentionDecoder(
             vocab_size, self.encoder.out_dim, self.encoder.num_pixels, pad_index=pad_index, **decoder_options
         )

@@ -173,3 +173,77 @@ def test_uint8_images_are_normalised_by_the_encoder_to_the_same_annotations(lite
     assert torch.equal(lite0.preprocessing.normalize(pixels[None]), floats[None])
     with torch.no_grad():
         assert torch.equal(lite0(pixels[None]), lite0(floats[None]))
+
+
+# Tiny timm models of two families, randomly initialised: a convolutional network and a vision transformer
+CONVNEXT, VIT = "convnext_atto", "vit_tiny_patch16_224"
+
+
+@pytest.mark.parametrize(
+    ("backbone", "stride", "grid", "channels"),
+    [(CONVNEXT, 32, (7, 7), 320), (CONVNEXT, 16, (14, 14), 160), (VIT, 32, (14, 14), 192), (VIT, 16, (14, 14), 192)],
+)
+def test_any_timm_model_is_a_backbone_through_timm_s_feature_api(backbone, stride, grid, channels):
+    """A ConvNeXt's last feature map (or its last at 1/16), a ViT's last block's patch tokens as their 14x14 grid (the
+    class token left out: 196 cells); the preprocessing is the model's own pretrained config's."""
+    import timm
+
+    encoder = Encoder(backbone, pretrained=False, feature_stride=stride)
+    assert encoder.grid_hw == grid and encoder.out_dim == channels
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    annotations = encoder(images)
+    assert annotations.shape == (2, grid[0] * grid[1], channels) and torch.isfinite(annotations).all()
+    config = timm.data.resolve_data_config({}, model=timm.create_model(backbone, pretrained=False))
+    p = encoder.preprocessing
+    assert (p.size, p.mean, p.std, p.interpolation) == (224, config["mean"], config["std"], config["interpolation"])
+    pooled = Encoder(backbone, pretrained=False, feature_stride=stride, grid_size=5)
+    assert pooled(images).shape == (2, 25, channels)
+
+
+@pytest.mark.parametrize(("backbone", "stages"), [(CONVNEXT, 6), (VIT, 12)])
+def test_fine_tune_blocks_unfreezes_the_last_stages_or_transformer_blocks(backbone, stages):
+    encoder = Encoder(backbone, pretrained=False)
+    assert len(encoder.stages) == stages and encoder.frozen
+    encoder.fine_tune(2)
+    trainable = {id(p) for p in encoder.parameters() if p.requires_grad}
+    assert trainable == {id(p) for stage in encoder.stages[-2:] for p in stage.parameters()} and trainable
+
+
+def test_a_timm_backbone_s_weights_come_from_a_local_file(tmp_path):
+    """`backbone_weights`: a safetensors file or a state_dict, loaded exactly; they are then the encoder's source (a
+    model file may leave them out). A missing file, or another model's weights, is one line."""
+    import timm
+    from safetensors.torch import save_file
+
+    weights = timm.create_model(CONVNEXT, pretrained=False).state_dict()
+    save_file(weights, tmp_path / "atto.safetensors")
+    torch.save(weights, tmp_path / "atto.pth")
+    encoder = Encoder(CONVNEXT, backbone_weights=str(tmp_path / "atto.safetensors"))
+    loaded = encoder.features.model.state_dict()
+    assert torch.equal(loaded["stages_3.blocks.0.conv_dw.weight"], weights["stages.3.blocks.0.conv_dw.weight"])
+    assert encoder.source_fingerprint == encoder.fingerprint()
+    assert Encoder(CONVNEXT, backbone_weights=str(tmp_path / "atto.pth")).fingerprint() == encoder.fingerprint()
+    with pytest.raises(ConfigError, match=r"missing\.pth: backbone weights file not found"):
+        Encoder(CONVNEXT, backbone_weights=str(tmp_path / "missing.pth"))
+    torch.save(timm.create_model("resnet18", pretrained=False).state_dict(), tmp_path / "other.pth")
+    with pytest.raises(WeightsUnavailableError, match=r"other.pth: cannot load them into convnext_atto \(KeyError"):
+        Encoder(CONVNEXT, backbone_weights=str(tmp_path / "other.pth"))
+
+
+def test_offline_a_timm_backbone_without_a_weights_file_is_one_line_naming_both_ways(monkeypatch):
+    """No hub and nothing in its cache: one line at once that names the hub and `backbone_weights`, not timm's
+    minute of retries and its traceback."""
+    from captioner.models import encoder as module
+
+    monkeypatch.setattr(module, "_hub_answers", lambda: False)
+    start = time.monotonic()
+    with pytest.raises(WeightsUnavailableError) as refused:
+        Encoder("convnext_tiny", pretrained=True)
+    assert str(refused.value) == (
+        "convnext_tiny: its pretrained weights come from the Hugging Face hub, which does not answer, and are not in "
+        "its cache: give them as a file with --model.backbone_weights FILE (safetensors or a state_dict), or set "
+        "pretrained: false"
+    )
+    assert time.monotonic() - start < 10
+    with pytest.raises(ConfigError, match=r"unknown backbone 'vgg99'; choose one of .* or a timm model name"):
+        Encoder("vgg99")

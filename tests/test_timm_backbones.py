@@ -1,0 +1,40 @@
+"""A timm backbone of each family through everything a user does with a model: `captioner fit` on the shipped debug
+config, `captioner export` in both formats, `captioner caption` with each file, `Captioner.load`, and the per-word
+overlays on the backbone's own grid. Tiny models, randomly initialised (`--model.pretrained=false`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from captioner.api import Captioner
+from captioner.data.shapes import ShapesDataset
+from tests.conftest import run_main, tiny_fit_args
+
+IMAGE = "docs/images/shapes_test_0.png"
+
+
+@pytest.mark.ci  # 15 s each
+@pytest.mark.parametrize(("backbone", "grid"), [("convnext_atto", (7, 7)), ("vit_tiny_patch16_224", (14, 14))])
+def test_a_timm_backbone_fits_exports_in_both_formats_and_captions(backbone, grid, tmp_path, capfd):
+    args = tiny_fit_args(tmp_path, f"--model.backbone={backbone}", "--model.pretrained=false")
+    ran = run_main(capfd, "fit", *args)
+    assert ran.status == 0, ran.err[-3000:]
+    best = tmp_path / "checkpoints" / "best.ckpt"
+    model, graphs = tmp_path / "model.pt", tmp_path / "onnx"
+    for command in (["--output", str(model)], ["--format", "onnx", "--output", str(graphs)]):
+        ran = run_main(capfd, "export", "--ckpt_path", str(best), *command)
+        assert ran.status == 0 and ran.out.startswith("wrote"), ran.err[-3000:]
+    images = [ShapesDataset("test", 2, seed=9).load_image(i) for i in range(2)]
+    results = {
+        name: Captioner.load(path).caption(images, beam_size=1)
+        for name, path in (("checkpoint", best), ("export", model), ("onnx", graphs))
+    }
+    assert results["export"][0].grid_hw == results["onnx"][0].grid_hw == grid
+    assert results["export"][0].alphas.shape == (len(results["export"][0].tokens), grid[0] * grid[1])
+    for name in ("export", "onnx"):  # greedy: the same words from each form of the model
+        assert [r.tokens for r in results[name]] == [r.tokens for r in results["checkpoint"]], name
+    overlays = tmp_path / "overlays"
+    for path in (model, graphs):
+        ran = run_main(capfd, "caption", IMAGE, "--ckpt_path", str(path), "--overlays", str(overlays))
+        assert ran.status == 0 and ran.out.count("\t") == 1, ran.err[-3000:]
+    assert len(list(overlays.glob("*.png"))) == 1  # the second wrote over the first: the same name
