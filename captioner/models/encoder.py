@@ -199,6 +199,10 @@ BACKBONES: dict[str, Callable[[bool, int], Backbone]] = {  # (pretrained, stride
 }
 
 
+def _sized(size: int | None) -> dict:
+    return {"img_size": size} if size else {}
+
+
 def _is_timm_model(name: str) -> bool:
     import timm
 
@@ -244,12 +248,14 @@ def _cached_hub_weights(name: str) -> str | None:
     return None
 
 
-def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None) -> Backbone:
+def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None, size: int | None = None) -> Backbone:
     """Any timm model (`timm.list_models()`), through timm's feature API whatever its family: the last feature map, or
     the last at 1/16 of the input (`stride` 16); for a vision transformer, its last block's patch tokens as a grid
     (h x w; class and register tokens left out). Its preprocessing is its own pretrained config's (timm's resolver).
     The weights: `weights`, a local file (safetensors or a state_dict); else, with `pretrained`, timm's from the
-    Hugging Face hub, or from its cache where the hub does not answer, or one line that names both ways."""
+    Hugging Face hub, or from its cache where the hub does not answer, or one line that names both ways. At another
+    input `size` than its own, a model built for one size (a ViT's position embeddings) is built for that size, its
+    pretrained embeddings resampled by timm; a convolutional network takes any size as it is."""
     import timm
 
     levels = timm.create_model(name, pretrained=False, features_only=True).feature_info.get_dicts()
@@ -273,7 +279,10 @@ def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None) 
             )
     try:
         overlay = {"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {}
-        model = timm.create_model(name, pretrained=pretrained, **options, **overlay)
+        try:  # a model built for one input size is built for this one (timm resamples its position embeddings)
+            model = timm.create_model(name, pretrained=pretrained, **options, **overlay, **_sized(size))
+        except TypeError:  # a network that takes any size, and no img_size
+            model = timm.create_model(name, pretrained=pretrained, **options, **overlay)
     except (RuntimeError, KeyError, ValueError, OSError) as err:  # a file of another model's weights, or unreadable
         where = f"{weights}" if weights is not None else f"{name}'s pretrained weights"
         reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
@@ -374,7 +383,7 @@ class Encoder(nn.Module):
                 raise ConfigError(f"backbone_weights is for timm's backbones; {backbone} gets its weights its own way")
             spec = BACKBONES[backbone](pretrained, feature_stride)
         elif _is_timm_model(backbone):
-            spec = _timm(backbone, pretrained, feature_stride, backbone_weights)
+            spec = _timm(backbone, pretrained, feature_stride, backbone_weights, image_size)
         else:
             raise ConfigError(
                 f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}, or a timm model name "

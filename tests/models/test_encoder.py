@@ -253,3 +253,12 @@ def test_offline_a_timm_backbone_without_a_weights_file_is_one_line_naming_both_
     assert time.monotonic() - start < 10
     with pytest.raises(ConfigError, match=r"unknown backbone 'vgg99'; choose one of .* or a timm model name"):
         Encoder("vgg99")
+
+
+@pytest.mark.parametrize(("backbone", "grid"), [(VIT, (16, 16)), (CONVNEXT, (8, 8))])
+def test_a_timm_backbone_takes_another_image_size(backbone, grid):
+    """At 256 pixels a ViT built for 224 is built for 256 (timm resamples its position embeddings): a 16x16 patch
+    grid; a ConvNeXt takes the size as it is."""
+    encoder = Encoder(backbone, pretrained=False, image_size=256)
+    assert encoder.grid_hw == grid and encoder.preprocessing.size == 256
+    assert encoder(torch.randint(0, 256, (1, 3, 256, 256), dtype=torch.uint8)).shape[1] == grid[0] * grid[1]
