@@ -200,7 +200,10 @@ BACKBONES: dict[str, Callable[[bool, int], Backbone]] = {  # (pretrained, stride
 
 
 def _sized(size: int | None) -> dict:
-    return {"img_size": size} if size else {}
+    """At another input size than the model's own: a model that takes its size at build time (a ViT) resamples its
+    position embeddings at each call (timm's dynamic_img_size), so that its weights keep their shapes: a file trained
+    at one size starts or loads a model at another."""
+    return {"dynamic_img_size": True} if size else {}
 
 
 def _is_timm_model(name: str) -> bool:
@@ -254,8 +257,8 @@ def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None, 
     (h x w; class and register tokens left out). Its preprocessing is its own pretrained config's (timm's resolver).
     The weights: `weights`, a local file (safetensors or a state_dict); else, with `pretrained`, timm's from the
     Hugging Face hub, or from its cache where the hub does not answer, or one line that names both ways. At another
-    input `size` than its own, a model built for one size (a ViT's position embeddings) is built for that size, its
-    pretrained embeddings resampled by timm; a convolutional network takes any size as it is."""
+    input `size` than its own, a model built for one size (a ViT's position embeddings) resamples its embeddings to the
+    input at each call (`_sized`); a convolutional network takes any size as it is."""
     import timm
 
     levels = timm.create_model(name, pretrained=False, features_only=True).feature_info.get_dicts()
@@ -279,9 +282,9 @@ def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None, 
             )
     try:
         overlay = {"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {}
-        try:  # a model built for one input size is built for this one (timm resamples its position embeddings)
+        try:  # a model built for one input size takes this one (`_sized`)
             model = timm.create_model(name, pretrained=pretrained, **options, **overlay, **_sized(size))
-        except TypeError:  # a network that takes any size, and no img_size
+        except TypeError:  # a network that takes any size, and no dynamic_img_size
             model = timm.create_model(name, pretrained=pretrained, **options, **overlay)
     except (RuntimeError, KeyError, ValueError, OSError) as err:  # a file of another model's weights, or unreadable
         where = f"{weights}" if weights is not None else f"{name}'s pretrained weights"

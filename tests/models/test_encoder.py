@@ -257,8 +257,10 @@ def test_offline_a_timm_backbone_without_a_weights_file_is_one_line_naming_both_
 
 @pytest.mark.parametrize(("backbone", "grid"), [(VIT, (16, 16)), (CONVNEXT, (8, 8))])
 def test_a_timm_backbone_takes_another_image_size(backbone, grid):
-    """At 256 pixels a ViT built for 224 is built for 256 (timm resamples its position embeddings): a 16x16 patch
-    grid; a ConvNeXt takes the size as it is."""
+    """At 256 pixels a ViT built for 224 resamples its position embeddings to each input (a 16x16 patch grid), its
+    weights keeping their shapes: weights of a model at 224 load into one at 256 (init_from of a 224 run, as the
+    option matrix found); a ConvNeXt takes the size as it is."""
     encoder = Encoder(backbone, pretrained=False, image_size=256)
     assert encoder.grid_hw == grid and encoder.preprocessing.size == 256
     assert encoder(torch.randint(0, 256, (1, 3, 256, 256), dtype=torch.uint8)).shape[1] == grid[0] * grid[1]
+    encoder.load_state_dict(Encoder(backbone, pretrained=False).state_dict())
