@@ -1,7 +1,7 @@
 """Options in combination: real `captioner fit` runs through the CLI, then test, predict, `Captioner.load(...).caption`,
 export (beyond `make test`'s slice, to ONNX too: the same captions) and a `--ckpt_path last` resume, over a pairwise
 covering set of the options' values: every pair of values of two options meets in at least one run (not the full
-product, which is 2^10 runs).
+product, which is 294,912 runs).
 
 Each run ends with exit status 0, finite logged metrics and files that load, or, for a combination refused on purpose
 (self-critical training with hard attention), one `error:` line and status 2; never a traceback, never a hang (each
