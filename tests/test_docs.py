@@ -187,7 +187,6 @@ def test_what_the_docs_say_of_the_shipped_configs_is_what_they_hold():
     assert (
         "`val/bleu4` for `configs/shapes.yaml` and `configs/debug.yaml`, `val/cider` for every other config" in flowing
     )
-    flowing = " ".join(usage.split())
     assert (
         "`configs/coco_resnet101.yaml` runs its frozen encoder on the GPU at every step, on images from the image cache"
         in flowing
