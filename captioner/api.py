@@ -10,16 +10,14 @@ Loading never unpickles code: checkpoints are read with torch.load(weights_only=
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
+from captioner.captioning import MAX_LEN, Backend, Caption, CaptionResult
 from captioner.checkpoints import BUNDLED, build_model, export, locate, model_file
-from captioner.data.images import ImageError, read_batches
 from captioner.data.vocab import Vocabulary, detokenize
 from captioner.errors import ConfigError
 from captioner.models.decoding import LENGTH_PENALTY
@@ -31,21 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["BUNDLED", "CaptionResult", "Captioner", "export"]
 
 
-@dataclass
-class CaptionResult:
-    """One image's caption. `alphas` has one (P,) attention row per word of `tokens` (<end> excluded)."""
-
-    source: str
-    text: str
-    tokens: list[str]
-    alphas: torch.Tensor  # (len(tokens), P)
-    score: float
-    grid_hw: tuple[int, int]
-    image: Image.Image
-
-
-class Captioner:
-    """A ShowAttendTell model with its vocabulary, ready to caption images.
+class Captioner(Backend):
+    """A ShowAttendTell model with its vocabulary, ready to caption images (`caption`, `iter_captions`: the
+    `captioner.captioning.Backend` surface, shared with `captioner.onnx.Captioner`).
 
     The model is for inference only: its encoder's BatchNorms are folded into its convolutions
     (`Encoder.fold_batchnorm`). `device` defaults to CUDA when present. `compile_decoder` compiles the search's whole
@@ -113,54 +99,16 @@ class Captioner:
         model = build_model(file, str(path))
         return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)
 
-    def iter_captions(
-        self,
-        images: Iterable[str | Path | Image.Image],
-        beam_size: int = 3,
-        batch_size: int = 16,
-        max_len: int = 30,
-        length_penalty: float = LENGTH_PENALTY,
-    ) -> Iterator[CaptionResult | ImageError]:
-        """Caption images in batches, in order, holding only one batch in memory.
-
-        A file that cannot be read yields its ImageError in its place, and the other images are still captioned.
-        """
-        for batch in read_batches(images, batch_size):
-            if isinstance(batch, ImageError):
-                yield batch
-            else:
-                yield from self._run(batch, beam_size, max_len, length_penalty)
-
-    def caption(
-        self,
-        images: Sequence[str | Path | Image.Image] | str | Path | Image.Image,
-        beam_size: int = 3,
-        batch_size: int = 16,
-        max_len: int = 30,
-        length_penalty: float = LENGTH_PENALTY,
-    ) -> list[CaptionResult]:
-        """Caption images (paths or PIL images); raises ImageError naming the first file that cannot be read."""
-        if isinstance(images, (str, Path, Image.Image)):
-            images = [images]
-        results = []
-        for result in self.iter_captions(images, beam_size, batch_size, max_len, length_penalty):
-            if isinstance(result, ImageError):
-                raise result
-            results.append(result)
-        return results
-
-    def _run(self, batch: list[tuple[str, Image.Image]], beam_size: int, max_len: int, length_penalty: float):
-        x = torch.stack([self.transform(image) for _, image in batch]).to(self.device)  # (B,3,H,W)
+    def generate_batch(
+        self, images: list[Image.Image], beam_size: int, max_len: int | None, length_penalty: float | None
+    ) -> list[Caption]:
+        x = torch.stack([self.transform(image) for image in images]).to(self.device)  # (B,3,H,W)
+        max_len = MAX_LEN if max_len is None else max_len
+        length_penalty = LENGTH_PENALTY if length_penalty is None else length_penalty
         with torch.inference_mode():
             out = self.model.generate(images=x, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty)
-        for (source, image), tokens, score, alphas in zip(batch, out.tokens, out.scores, out.alphas, strict=True):
+        captions = []
+        for tokens, score, alphas in zip(out.tokens, out.scores, out.alphas, strict=True):
             words = self.vocab.decode_tokens(tokens.tolist())
-            yield CaptionResult(
-                source=source,
-                text=detokenize(words),
-                tokens=words,
-                alphas=alphas[: len(words)].cpu(),
-                score=float(score),
-                grid_hw=self.model.encoder.grid_hw,
-                image=image,
-            )
+            captions.append(Caption(words, detokenize(words), float(score), alphas[: len(words)].cpu()))
+        return captions

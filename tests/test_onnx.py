@@ -1,5 +1,6 @@
-"""`captioner export --format onnx` and `captioner.onnx` (issue #74): the exported graphs on ONNX Runtime, searched
-in numpy, write the torch search's captions with its attention, from the same files, and import no torch.
+"""`captioner export --format onnx` and `captioner.onnx` (issues #74, #79): the exported graphs on ONNX Runtime (the
+searches' own word functions, run by a host loop) write the torch search's captions with its attention, from the same
+files, and import no torch.
 
 The bundled model is exported once per test process, by the command a user runs. `make test` compares the first 32
 images of the bundled model's test split; .ci/run all 500 (`-m ci`), and installs deploy/ in a fresh virtual
@@ -31,7 +32,7 @@ from captioner.errors import CaptionerError, ConfigError
 from captioner.models.decoding import beam_search, greedy_search
 from captioner.onnx import Captioner, search
 from captioner.onnx.resize import resize
-from captioner.onnx_export import StepGraph
+from captioner.onnx_export import INPUTS, OUTPUTS, WORDS, BeamWordsGraph, GreedyWordsGraph
 from tests.conftest import REPO, run_main
 from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, compare, random_decoder
 from tests.images import photo
@@ -159,16 +160,53 @@ def test_the_searches_agree_where_no_beam_ends_and_on_the_raw_sum(shapes_onnx, t
             assert {len(g.tokens) for g in got} > {4}, [g.text for g in got]
 
 
-def numpy_step(decoder):
-    """A decoder's step as `step.onnx` computes it (`StepGraph`), on numpy arrays: the numpy search run on it reads the
-    very numbers the torch search reads, so the two must choose the same words."""
-    graph = StepGraph(SimpleNamespace(decoder=decoder))
+class Held:
+    """An array where an OrtValue would be (`.numpy()`)."""
 
-    def step(*inputs: np.ndarray) -> list[np.ndarray]:
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def numpy(self) -> np.ndarray:
+        return self.array
+
+
+class TorchWords(search.Words):
+    """A decoder's word graph (`GreedyWordsGraph`, `BeamWordsGraph`) run by torch where ONNX Runtime would run the
+    exported one, on numpy arrays: the host loop run on it reads the very numbers the torch search reads, so the two
+    must choose the same words. Records what is bound."""
+
+    def __init__(self, decoder, graph: str, fixed: dict[str, np.ndarray], words: int = WORDS):
+        model = SimpleNamespace(decoder=decoder, pad_index=PAD, start_index=START, end_index=END)
+        self.graph, self.name = (GreedyWordsGraph if graph == "greedy" else BeamWordsGraph)(model, words), graph
+        self.outputs, self.fixed, self.bound = OUTPUTS[graph], {}, []
+        self.bind(fixed)
+
+    def value(self, array: np.ndarray) -> Held:
+        return Held(np.array(array))
+
+    def bind(self, fixed: dict[str, np.ndarray]) -> None:
+        self.bound.append(sorted(fixed))
+        self.fixed.update({name: np.array(x) for name, x in fixed.items()})
+
+    def __call__(self, state: dict[str, Held]) -> dict[str, Held]:
+        feed = {**{name: x.numpy() for name, x in state.items()}, **self.fixed}
         with torch.inference_mode():
-            return [x.numpy() for x in graph(*(torch.from_numpy(np.ascontiguousarray(x)) for x in inputs))]
+            out = self.graph(*(torch.from_numpy(np.ascontiguousarray(feed[name])) for name in INPUTS[self.name]))
+        return {name: Held(x.numpy()) for name, x in zip(self.outputs, out, strict=True)}
 
-    return step
+
+def host_search(decoder, annotations: torch.Tensor, beam_size: int, words: int = WORDS, **options):
+    """`captioner.onnx.search`'s host loop on the decoder's word graphs, run by torch (`TorchWords`)."""
+    with torch.inference_mode():
+        h, c = decoder.init_state(annotations)
+        keys = decoder.prepare(annotations)
+    arrays = [x.numpy() for x in (annotations, keys, h, c)]
+    graph = "greedy" if beam_size == 1 else "beam"
+    runner = TorchWords(decoder, graph, {"annotations": arrays[0], "keys": arrays[1]}, words)
+    common = {"start": START, "pad": PAD, "n": words}
+    if beam_size == 1:
+        return search.greedy_search(runner, *arrays, **common, **options)
+    return search.beam_search(runner, *arrays, **common, beam_size=beam_size, vocab_size=decoder.vocab_size, **options)
 
 
 NEVER_ENDS = {w: {A: 0.5, B: 0.3, C: 0.2} for w in (START, A, B, C)}
@@ -188,10 +226,13 @@ NEVER_ENDS = {w: {A: 0.5, B: 0.3, C: 0.2} for w in (START, A, B, C)}
         ("never_ends", {"beam_size": 1, "max_len": 5}),
     ],
 )
-def test_the_numpy_search_is_the_torch_search(decoder, options):
+@pytest.mark.parametrize("words", [WORDS, 3])
+def test_the_host_loop_is_the_torch_search(decoder, options, words):
     """On the torch search's own test decoders (tests/models/test_decoding.py: a random one, whose captions end at
     many different words, and tables built to trap greedy search, to favour short captions by the raw sum, to never
-    end), the numpy search writes the same words, scores and attention, for each beam width and length penalty."""
+    end), the host loop over the word graphs writes the same words, scores and attention, for each beam width and
+    length penalty, and with graphs of 8 and of 3 words a call (images leave the batch between calls, and a call runs
+    past `max_len`)."""
     if decoder == "random":
         decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
     else:
@@ -200,18 +241,11 @@ def test_the_numpy_search_is_the_torch_search(decoder, options):
     options = dict(options)  # pytest's own dict: a rerun of the case gets it as the parametrization gave it
     beam_size = options.pop("beam_size")
     with torch.inference_mode():
-        h, c = decoder.init_state(annotations)
-        keys = decoder.prepare(annotations)
         if beam_size == 1:
             want = greedy_search(decoder, annotations, **options, **SPECIAL)
         else:
             want = beam_search(decoder, annotations, beam_size=beam_size, **options, **SPECIAL)
-    special = {"start": START, "end": END, "pad": PAD}
-    arrays = [x.numpy() for x in (annotations, keys, h, c)]
-    if beam_size == 1:
-        got = search.greedy_search(numpy_step(decoder), *arrays, **options, **special)
-    else:
-        got = search.beam_search(numpy_step(decoder), *arrays, beam_size=beam_size, **options, **special)
+    got = host_search(decoder, annotations, beam_size, words, **options)
     for i, ids in enumerate(got.ids):
         n = int(want.lengths[i])
         assert ids == want.tokens[i, :n].tolist(), i
@@ -224,24 +258,21 @@ def test_both_searches_refuse_a_beam_wider_than_the_words_they_can_choose():
     both searches. At e647ee0 both took up to V, and fed back impossible hypotheses of <pad> or <start>."""
     decoder, annotations = random_decoder(), torch.randn(2, 9, 16)  # V = 30
     with torch.inference_mode():
-        h, c = decoder.init_state(annotations)
-        keys = decoder.prepare(annotations)
         assert beam_search(decoder, annotations, beam_size=28, max_len=3, **SPECIAL).tokens.shape[0] == 2
         with pytest.raises(ConfigError, match=r"^beam size 29 is larger than the 28 words this vocabulary can"):
             beam_search(decoder, annotations, beam_size=29, max_len=3, **SPECIAL)
-    arrays = [x.numpy() for x in (annotations, keys, h, c)]
-    special = {"start": START, "end": END, "pad": PAD}
-    assert len(search.beam_search(numpy_step(decoder), *arrays, beam_size=28, max_len=3, **special).ids) == 2
+    assert len(host_search(decoder, annotations, 28, max_len=3).ids) == 2
     with pytest.raises(search.SearchError, match=r"^beam size 29 is larger than the 28 words this vocabulary can"):
-        search.beam_search(numpy_step(decoder), *arrays, beam_size=29, max_len=3, **special)
+        host_search(decoder, annotations, 29, max_len=3)
 
 
-def test_the_numpy_search_is_the_torch_search_on_random_tables():
+def test_the_host_loop_is_the_torch_search_on_random_tables():
     """200 tables of next-word probabilities drawn at random (8 words, <end> among them: captions end at any word,
     and finished hypotheses compete with live ones), random beam widths, length penalties and longest captions: the
     same caption, but for ties: a caption that takes the same transitions in another order (7 6 5 4 7 5, 7 5 4 7 6 5)
-    has the same probability, and of two equal values torch.topk keeps whichever its kernel happens to (the numpy
-    search, the lower index). A trained model's words depend on more than the previous one, and make no such ties."""
+    has the same probability, and of two equal values torch.topk keeps whichever its kernel happens to, at each size
+    it is given (the host loop's first word ranks K hypotheses where the torch search ranks one). A trained model's
+    words depend on more than the previous one, and make no such ties."""
     generator = np.random.default_rng(0)
     words, ties = list(range(END, 8)), 0
     for _ in range(200):
@@ -252,8 +283,8 @@ def test_the_numpy_search_is_the_torch_search_on_random_tables():
         options["length_penalty"] = float(generator.choice([0, 0.7, 1]))
         with torch.inference_mode():
             want = beam_search(decoder, annotations, **options, **SPECIAL)
-            arrays = [x.numpy() for x in (annotations, decoder.prepare(annotations), *decoder.init_state(annotations))]
-        got = search.beam_search(numpy_step(decoder), *arrays, **options, start=START, end=END, pad=PAD)
+        beam_size = options.pop("beam_size")
+        got = host_search(decoder, annotations, beam_size, int(generator.integers(1, 9)), **options)
         n = int(want.lengths[0])
         if got.ids[0] != want.tokens[0, :n].tolist():  # only a tie: the same transitions in another order
             penalty = options["length_penalty"]
@@ -261,6 +292,56 @@ def test_the_numpy_search_is_the_torch_search_on_random_tables():
             assert abs(rankings[0] - rankings[1]) < 1e-5, (table, options, got.ids[0], want.tokens[0, :n].tolist())
             ties += 1
     assert ties <= 10
+
+
+def test_fixed_inputs_are_bound_once_and_the_state_stays_in_ort_values(shapes_onnx, monkeypatch):
+    """One image, beam 3 and greedy, several calls of words each: the annotations, keys and length penalty are bound
+    once, the state becomes an OrtValue once (before the first word), and from then on each call's state is the last
+    call's outputs as they are (no image leaves: none is copied through numpy). With CUDA's provider that is what
+    keeps the annotations on the GPU for the whole search (not measured here)."""
+    bound, made, calls = [], [], []
+
+    def bind(self, fixed, bind=search.Words.bind):
+        bound.append(sorted(fixed))
+        bind(self, fixed)
+
+    def value(self, array, value=search.Words.value):
+        made.append(array.shape)
+        return value(self, array)
+
+    def call(self, state, run=search.Words.__call__):
+        if calls:  # the state is the last call's outputs, the very objects
+            assert all(state[name] is calls[-1][name + "_out"] for name in search.STATE)
+        calls.append(run(self, state))
+        return calls[-1]
+
+    monkeypatch.setattr(search.Words, "bind", bind)
+    monkeypatch.setattr(search.Words, "value", value)
+    monkeypatch.setattr(search.Words, "__call__", call)
+    onnx = Captioner(shapes_onnx)
+    for beam_size in (3, 1):
+        bound.clear(), made.clear(), calls.clear()
+        assert len(onnx.caption([SAMPLE], beam_size=beam_size, max_len=12)[0].tokens) == 12  # cut short
+        assert len(calls) == 2  # 8 + 4 words
+        fixed = [["annotations", "keys"], ["length_penalty"]] if beam_size > 1 else [["annotations", "keys"]]
+        assert bound == fixed and len(made) == sum(map(len, fixed)) + len(search.STATE), (bound, made)
+
+
+def test_a_calls_outputs_outlive_the_next_call(shapes_onnx):
+    """The state a call reads is the outputs of the one before: ONNX Runtime must not write the next outputs over
+    them (as a CUDA graph's replay would). Every output of the first call still holds its values after two more."""
+    onnx = Captioner(shapes_onnx)
+    annotations = onnx.annotate(onnx.preprocess(load_image(SAMPLE))[None])
+    h, c, keys = onnx.sessions["start"].run(None, {"annotations": annotations})
+    words = search.Words(onnx.sessions["greedy"], "cpu", {"annotations": annotations, "keys": keys})
+    state = {"tokens": np.full(1, 1), "h": h, "c": c, "scores": np.zeros(1, np.float32),
+             "lengths": np.zeros(1, np.int64), "finished": np.zeros(1, bool)}  # fmt: skip
+    first = words({name: words.value(x) for name, x in state.items()})
+    copies = {name: value.numpy().copy() for name, value in first.items()}
+    later = words(words.next_state(first))
+    words(words.next_state(later))
+    assert all(np.array_equal(first[name].numpy(), copies[name]) for name in first)
+    assert not np.array_equal(later["h_out"].numpy(), copies["h_out"])  # the calls did compute new states
 
 
 def test_caption_command_on_an_onnx_folder_draws_the_same_overlays(shapes_onnx, capfd, tmp_path, monkeypatch):
@@ -317,7 +398,7 @@ def test_serve_on_an_onnx_folder_answers_what_torch_does(shapes_onnx, torch_capt
 
 def test_a_broken_export_is_one_line_naming_the_folder(shapes_onnx, tmp_path, capfd):
     incomplete = Path(shutil.copytree(shapes_onnx, tmp_path / "incomplete"))
-    (incomplete / "step.onnx").unlink()
+    (incomplete / "beam.onnx").unlink()
     newer = Path(shutil.copytree(shapes_onnx, tmp_path / "newer"))
     config = json.loads((newer / "captioner.json").read_text())
     (newer / "captioner.json").write_text(json.dumps({**config, "format": 99}))
@@ -325,7 +406,7 @@ def test_a_broken_export_is_one_line_naming_the_folder(shapes_onnx, tmp_path, ca
     empty.mkdir()
     truncated = Path(shutil.copytree(shapes_onnx, tmp_path / "truncated"))
     (truncated / "encoder.onnx").write_bytes((shapes_onnx / "encoder.onnx").read_bytes()[:1000])
-    reasons = {incomplete: "step.onnx: missing", newer: "format 99", empty: "captioner.json"}  # no / without it
+    reasons = {incomplete: "beam.onnx: missing", newer: "format 99", empty: "captioner.json"}  # no / without it
     reasons[truncated] = "encoder.onnx: ONNX Runtime cannot load it"
     for folder, reason in reasons.items():
         with pytest.raises(CaptionerError, match=reason):
@@ -347,31 +428,39 @@ def test_a_bad_image_is_skipped_with_its_error(shapes_onnx, tmp_path):
 def test_a_check_finds_graphs_that_are_not_the_models(shapes_onnx, change):
     """export's check (run at every export) refuses graphs that compute another function than the model's: here one
     word's logit moved by 1e-3 (at e647ee0 the check scaled its tolerance by the least likely word's log-probability,
-    and let this pass) or by 0.1."""
+    and let this pass) or by 0.1: "square", a word the searches choose, whose scores it moves by 4e-4 and more."""
     from captioner.checkpoints import build_model, model_file, resolve
     from captioner.onnx_export import check
 
     model = build_model(model_file(resolve("shapes")), "shapes").eval()
     model.encoder.fold_batchnorm()
     check(model, shapes_onnx, "shapes")  # the model it was exported from
+    vocab = json.loads((shapes_onnx / "captioner.json").read_text())["vocab"]
     with torch.no_grad():
-        model.decoder.L_o.bias[5] += change  # one word's logit
-    with pytest.raises(CaptionerError, match=r"the exported step graph's log_probs are not the model's \(3 images"):
+        model.decoder.L_o.bias[vocab.index("square")] += change  # one word's logit
+    with pytest.raises(CaptionerError, match=r"the exported (greedy|beam) graph's \w+ are not the model's \("):
         check(model, shapes_onnx, "shapes")
 
 
 def test_int8_quantizes_the_step_and_still_captions(shapes_onnx, tmp_path):
-    """--int8 step's quantization (here on a copy of the float export): the step's matrix products run in int8, its
-    file is smaller, and it captions. What it changes is measured in benchmarks/onnx_runtime.py."""
+    """--int8 step's quantization (here on a copy of the float export): the word graphs' matrix products run in int8,
+    their weights take less than half the bytes, and they caption. What it changes is measured in
+    benchmarks/onnx_runtime.py."""
     import onnx
 
     from captioner.onnx_export import INT8, quantize
 
     folder = Path(shutil.copytree(shapes_onnx, tmp_path / "int8"))
     quantize(folder, INT8["step"])
-    ops = {node.op_type for node in onnx.load(str(folder / "step.onnx")).graph.node}
-    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops, ops
-    assert (folder / "step.onnx").stat().st_size < 0.5 * (shapes_onnx / "step.onnx").stat().st_size
+
+    def weights(path: Path) -> int:  # bytes (the graphs' 8 words of nodes share them)
+        return sum(len(i.raw_data) or 4 * len(i.float_data) for i in onnx.load(str(path)).graph.initializer)
+
+    for graph in ("greedy", "beam"):
+        ops = {node.op_type for node in onnx.load(str(folder / f"{graph}.onnx")).graph.node}
+        assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops, (graph, ops)
+        assert weights(folder / f"{graph}.onnx") < 0.5 * weights(shapes_onnx / f"{graph}.onnx")
+        assert (folder / f"{graph}.onnx").stat().st_size < (shapes_onnx / f"{graph}.onnx").stat().st_size
     assert (folder / "encoder.onnx").read_bytes() == (shapes_onnx / "encoder.onnx").read_bytes()
     result = Captioner(folder).caption([SAMPLE])[0]
     assert result.tokens and result.alphas.shape == (len(result.tokens), 196)

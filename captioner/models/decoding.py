@@ -145,15 +145,21 @@ def _greedy_words(
     words: int,
     pad: int,
     end: int,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    totals: bool = False,
+) -> tuple:
     """`words` words of the sync-free greedy search (`_greedy_word`): the state after them, and their words (B,words)
-    and float32 alphas (B,words,P). Fixed shapes, no host read: a compiled decoder runs it as one graph."""
-    tokens, alphas = [], []
+    and float32 alphas (B,words,P); with `totals`, also each caption's score and length after each word (B,words)
+    each, from which a search cut short within these words reads its result (the exported graph's). Fixed shapes, no
+    host read: a compiled decoder runs it as one graph, and `captioner export --format onnx` writes it as one."""
+    tokens, alphas, scores, lengths = [], [], [], []
     for _ in range(words):
         state, alpha = _greedy_word(decoder, state, fixed, pad, end)
         tokens.append(state[0])
         alphas.append(alpha)
-    return state, torch.stack(tokens, dim=1), torch.stack(alphas, dim=1)
+        scores.append(state[3])
+        lengths.append(state[4])
+    out = state, torch.stack(tokens, dim=1), torch.stack(alphas, dim=1)
+    return (*out, torch.stack(scores, dim=1), torch.stack(lengths, dim=1)) if totals else out
 
 
 def _greedy_word(
@@ -341,19 +347,25 @@ def _beam_words(
     fixed: tuple[torch.Tensor, ...],
     words: int,
     K: int,
-    length_penalty: float,
+    length_penalty: float | torch.Tensor,
     end: int,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]:
+    winners: bool = False,
+) -> tuple:
     """`words` words of the sync-free beam search (`_beam_word`): the state after them, and per word the rows each
-    hypothesis extends (words,A*K), its word (words,A*K) and the attention that chose it (words,A*K,P). Fixed shapes,
-    no host read: a compiled decoder runs it as one graph."""
-    parents, tokens, alphas = [], [], []
+    hypothesis extends (words,A*K), its word (words,A*K) and the attention that chose it (words,A*K,P). With
+    `winners`, also each image's winner after each word (`_winners`: its hypothesis, score and length, (words,A) each),
+    from which a search cut short within these words reads its result (the exported graph's). Fixed shapes, no host
+    read: a compiled decoder runs it as one graph, and `captioner export --format onnx` writes it as one."""
+    parents, tokens, alphas, best = [], [], [], []
     for _ in range(words):
         state, parent, alpha = _beam_word(decoder, state, fixed, K, length_penalty, end)
         parents.append(parent)
         tokens.append(state[0])
         alphas.append(alpha)
-    return state, torch.stack(parents), torch.stack(tokens), torch.stack(alphas)
+        if winners:
+            best.append(_winners(state[3], state[4], state[5], length_penalty))
+    out = state, torch.stack(parents), torch.stack(tokens), torch.stack(alphas)
+    return (*out, *(torch.stack(x) for x in zip(*best, strict=True))) if winners else out
 
 
 def check_beam_size(K: int, V: int) -> None:
@@ -379,15 +391,17 @@ def _best_extensions(
     lengths: torch.Tensor,
     finished: torch.Tensor,
     K: int,
-    length_penalty: float,
+    length_penalty: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One beam step's choice: from the scores (A,G) of A images' G hypotheses and the log-probabilities (A*G,V) of
     their next words, the K best extensions of each image, ranked by score / length**length_penalty (a finished
-    hypothesis keeps its length). Returns their scores (A,K), the rows (A*K,) they extend and their words (A*K,)."""
+    hypothesis keeps its length). Returns their scores (A,K), the rows (A*K,) they extend and their words (A*K,).
+    A tensor `length_penalty` (an exported graph's input) always divides: by length**0 == 1, exactly the raw sum's
+    ranking."""
     A, G = scores.shape
     V = log_probs.size(1)
     candidates = (scores.view(A * G, 1) + log_probs).view(A, G * V)
-    if length_penalty:
+    if isinstance(length_penalty, torch.Tensor) or length_penalty:
         extended = (lengths + (~finished).long()).clamp(min=1).float() ** length_penalty  # (A*G,)
         best = (candidates.view(A * G, V) / extended.unsqueeze(1)).view(A, G * V).topk(K, dim=1).indices
         scores = candidates.gather(1, best)  # (A,K)
@@ -404,6 +418,20 @@ def _follow(
     """The chosen extensions' rows (A*K,): whether their parent had finished, their lengths and finished flags."""
     was_finished = finished[parents]
     return was_finished, lengths[parents] + (~was_finished).long(), was_finished | (tokens == end)
+
+
+def _winners(
+    scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, length_penalty: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each image's result if its search ended here: of its K hypotheses (scores (A,K), lengths and finished flags
+    (A*K,)), the best finished one by score / length**length_penalty, or the best unfinished one if none has
+    finished. Returns its index among the K (A,), its score and its length (A,)."""
+    A, K = scores.shape
+    lengths, finished = lengths.view(A, K), finished.view(A, K)
+    ranking = scores / lengths.clamp(min=1).float() ** length_penalty  # (A,K)
+    ranking = ranking.masked_fill(finished.any(dim=1, keepdim=True) & ~finished, float("-inf"))
+    k = ranking.argmax(dim=1, keepdim=True)  # (A,1)
+    return k.squeeze(1), scores.gather(1, k).squeeze(1), lengths.gather(1, k).squeeze(1)
 
 
 def _read_back(
@@ -423,10 +451,8 @@ def _read_back(
     )
     B, K = final_scores.shape
     device = final_scores.device
-    ranking = final_scores / final_lengths.view(B, K).clamp(min=1).float() ** length_penalty  # (B,K)
-    any_finished = final_finished.view(B, K).any(dim=1, keepdim=True)  # (B,1)
-    ranking = ranking.masked_fill(any_finished & ~final_finished.view(B, K), float("-inf"))
-    choice = ranking.argmax(dim=1) + torch.arange(B, device=device) * K  # (B,) record rows of the winners
+    winner = _winners(final_scores, final_lengths, final_finished, length_penalty)[0]
+    choice = winner + torch.arange(B, device=device) * K  # (B,) record rows of the winners
     steps = len(record_tokens)
     P = record_alphas[0].size(1)
     out_tokens = torch.empty(B, steps, dtype=torch.long, device=device)

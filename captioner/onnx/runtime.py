@@ -10,8 +10,7 @@ with numpy and Pillow: no torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +18,15 @@ import onnxruntime as ort
 from PIL import Image
 
 # Relative imports: the same files are `captioner.onnx` in the full package and `captioner_onnx.onnx` in deploy/
-from ..data.images import ImageError, read_batches
+from ..captioning import Backend, Caption, CaptionResult
 from ..errors import CaptionerError
 from .resize import resize
-from .search import Generation, SearchError, beam_search, greedy_search
+from .search import Generation, SearchError, Words, beam_search, greedy_search
 
-FORMAT = 1  # the captioner.json layout read here (captioner.onnx_export.FORMAT)
-GRAPHS = ("encoder", "start", "step")
+__all__ = ["CaptionResult", "Captioner", "is_export", "providers", "session"]
 
-
-@dataclass
-class CaptionResult:
-    """One image's caption, as `captioner.Captioner`'s: `alphas` has one (P,) attention row per word of `tokens`
-    (<end> excluded), here a float32 numpy array; `grid_hw` is the grid those P cells form."""
-
-    source: str
-    text: str
-    tokens: list[str]
-    alphas: np.ndarray  # (len(tokens), P)
-    score: float
-    grid_hw: tuple[int, int]
-    image: Image.Image
+FORMAT = 2  # the captioner.json layout read here (captioner.onnx_export.FORMAT)
+GRAPHS = ("encoder", "start", "greedy", "beam")
 
 
 def providers() -> list[str]:
@@ -48,11 +35,27 @@ def providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
-def session(path: str | Path, providers: Sequence[str] | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on `path`, its warnings silenced: the graph optimiser's notes on nodes it leaves as
+def session_options(threads: int | None = None, spinning: bool = False) -> ort.SessionOptions:
+    """ONNX Runtime's options for a captioner's sessions: `threads` intra-op threads (None: ONNX Runtime's choice, one
+    per physical core), and whether idle threads spin. Spinning is off by default: after each call ONNX Runtime's
+    threads otherwise busy-wait for the next, and on a small CPU they take it from whatever else the process runs
+    (a torch model, a web server's threads); a captioner's calls come in bursts, not in a tight loop
+    (docs/benchmarks.md, "ONNX Runtime"). Warnings are silenced: the graph optimiser's notes on nodes it leaves as
     they are ("can't constant fold CastLike") are not the user's to act on; errors still raise."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors and fatal ones only
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
+    return options
+
+
+def session(
+    path: str | Path, providers: Sequence[str] | None = None, options: ort.SessionOptions | None = None
+) -> ort.InferenceSession:
+    """An ONNX Runtime session on `path` with `options` (`session_options()` by default)."""
+    options = options or session_options()
     return ort.InferenceSession(str(path), options, providers=list(providers) if providers else None)
 
 
@@ -61,14 +64,24 @@ def is_export(folder: str | Path) -> bool:
     return (Path(folder) / "captioner.json").is_file()
 
 
-class Captioner:
-    """An exported model's three graphs on ONNX Runtime, and its search (`captioner.onnx.search`).
+class Captioner(Backend):
+    """An exported model's graphs on ONNX Runtime: the encoder, the start of a search, and the greedy and beam
+    searches' words (`captioner.onnx.search`'s host loop runs them). `caption` and `iter_captions` are
+    `captioner.Captioner`'s (`captioner.captioning.Backend`).
 
     Images are read as `captioner.Captioner` reads them (any mode, EXIF orientation) and resized as torchvision
     resizes them (`captioner.onnx.resize`): the annotations are the torch model's, to float rounding.
-    `providers` defaults to CUDA's when present, then the CPU's (`providers()`)."""
+    `providers` defaults to CUDA's when present, then the CPU's (`providers()`); `threads` and `spinning` set ONNX
+    Runtime's threads (`session_options`), or `options` sets every option."""
 
-    def __init__(self, folder: str | Path, providers: Sequence[str] | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+        spinning: bool = False,
+        options: ort.SessionOptions | None = None,
+    ):
         self.folder = Path(folder)
         try:
             self.config = json.loads((self.folder / "captioner.json").read_text(encoding="utf-8"))
@@ -83,27 +96,32 @@ class Captioner:
                 f"format {FORMAT} (export the model again with this version)"
             )
         chosen = list(providers) if providers is not None else globals()["providers"]()
+        options = options or session_options(threads, spinning)
         self.sessions = {}
         for graph in GRAPHS:
             path = self.folder / f"{graph}.onnx"
             if not path.is_file():
                 raise CaptionerError(f"{path}: missing (the export is incomplete: export the model again)")
             try:
-                self.sessions[graph] = session(path, chosen)
+                self.sessions[graph] = session(path, chosen, options)
             except Exception as err:  # onnxruntime raises its own exception types, not one base class
                 raise CaptionerError(f"{path}: ONNX Runtime cannot load it ({str(err).splitlines()[0]})") from None
+        # where the word graphs' state lives between calls: on the GPU with CUDA's provider
+        self.device = "cuda" if self.sessions["beam"].get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.vocab: list[str] = self.config["vocab"]
         self.unspaced = set(self.config["unspaced"])
-        self.grid_hw = tuple(self.config["grid"])
 
     @property
     def image_size(self) -> int:
-        """The side of the square the model's input is resized to."""
         return self.config["image_size"]
 
     @property
+    def grid_hw(self) -> tuple[int, int]:
+        return tuple(self.config["grid"])
+
+    @property
     def providers(self) -> list[str]:
-        return self.sessions["step"].get_providers()
+        return self.sessions["beam"].get_providers()
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
         """An RGB image -> the encoder's input (3,S,S) uint8: squashed to the model's square size as torchvision
@@ -115,10 +133,6 @@ class Captioner:
         """uint8 images (B,3,S,S) -> annotations (B,P,E)."""
         return self.sessions["encoder"].run(None, {"images": images})[0]
 
-    def _step(self, tokens, h, c, annotations, keys):
-        inputs = {"tokens": tokens, "h": h, "c": c, "annotations": annotations, "keys": keys}
-        return self.sessions["step"].run(None, inputs)
-
     def generate(
         self,
         annotations: np.ndarray,
@@ -128,61 +142,33 @@ class Captioner:
     ) -> Generation:
         """Annotations (B,P,E) -> each image's word ids, score and per-word attention (`captioner.onnx.search`):
         greedy when beam_size is 1, else beam search."""
-        h, c, keys = self.sessions["start"].run(None, {"annotations": annotations})
         config = self.config
-        special = {"start": config["start_index"], "end": config["end_index"], "pad": config["pad_index"]}
-        max_len = self.config["max_len"] if max_len is None else max_len
+        h, c, keys = self.sessions["start"].run(None, {"annotations": annotations})
+        max_len = config["max_len"] if max_len is None else max_len
+        graph = "greedy" if beam_size == 1 else "beam"
+        words = Words(self.sessions[graph], self.device, {"annotations": annotations, "keys": keys})
+        common = {"start": config["start_index"], "pad": config["pad_index"], "n": config["words"], "max_len": max_len}
         try:
             if beam_size == 1:
-                return greedy_search(self._step, annotations, keys, h, c, max_len=max_len, **special)
-            penalty = self.config["length_penalty"] if length_penalty is None else length_penalty
+                return greedy_search(words, annotations, keys, h, c, **common)
+            penalty = config["length_penalty"] if length_penalty is None else length_penalty
             return beam_search(
-                self._step,
-                annotations,
-                keys,
-                h,
-                c,
-                beam_size=beam_size,
-                max_len=max_len,
+                words, annotations, keys, h, c, **common, vocab_size=len(self.vocab), beam_size=beam_size,
                 length_penalty=penalty,
-                **special,
-            )
+            )  # fmt: skip
         except SearchError as err:
             raise CaptionerError(str(err)) from None
 
-    def iter_captions(
-        self,
-        images: Iterable[str | Path | Image.Image],
-        beam_size: int = 3,
-        batch_size: int = 16,
-        max_len: int | None = None,
-        length_penalty: float | None = None,
-    ) -> Iterator[CaptionResult | ImageError]:
-        """Caption images in batches, in order, holding one batch in memory; a file that cannot be read yields its
-        ImageError in its place, and the others are still captioned (`captioner.Captioner.iter_captions`)."""
-        for batch in read_batches(images, batch_size):
-            if isinstance(batch, ImageError):
-                yield batch
-            else:
-                yield from self._run(batch, beam_size, max_len, length_penalty)
-
-    def caption(
-        self,
-        images: Sequence[str | Path | Image.Image] | str | Path | Image.Image,
-        beam_size: int = 3,
-        batch_size: int = 16,
-        max_len: int | None = None,
-        length_penalty: float | None = None,
-    ) -> list[CaptionResult]:
-        """Caption images (paths or PIL images); raises ImageError naming the first file that cannot be read."""
-        if isinstance(images, (str, Path, Image.Image)):
-            images = [images]
-        results = []
-        for result in self.iter_captions(images, beam_size, batch_size, max_len, length_penalty):
-            if isinstance(result, ImageError):
-                raise result
-            results.append(result)
-        return results
+    def generate_batch(
+        self, images: list[Image.Image], beam_size: int, max_len: int | None, length_penalty: float | None
+    ) -> list[Caption]:
+        out = self.generate(self.annotate(np.stack([self.preprocess(image) for image in images])), beam_size,
+                            max_len, length_penalty)  # fmt: skip
+        captions = []
+        for ids, score, alphas in zip(out.ids, out.scores, out.alphas, strict=True):
+            words = self.words(ids)
+            captions.append(Caption(words, self.text(ids), score, alphas[: len(words)]))
+        return captions
 
     def words(self, ids: Iterable[int]) -> list[str]:
         """Word ids -> words, stopping at <end> and skipping <pad> and <start> (`Vocabulary.decode_tokens`)."""
@@ -204,10 +190,3 @@ class Captioner:
             joined = previous is not None and previous in self.unspaced and i in self.unspaced
             text += self.vocab[i] if previous is None or joined else " " + self.vocab[i]
         return text
-
-    def _run(self, batch, beam_size, max_len, length_penalty) -> Iterator[CaptionResult]:
-        images = np.stack([self.preprocess(image) for _, image in batch])
-        out = self.generate(self.annotate(images), beam_size, max_len, length_penalty)
-        for (source, image), ids, score, alphas in zip(batch, out.ids, out.scores, out.alphas, strict=True):
-            words = self.words(ids)
-            yield CaptionResult(source, self.text(ids), words, alphas[: len(words)], score, self.grid_hw, image)

@@ -1,0 +1,1 @@
+../../captioner/captioning.py
