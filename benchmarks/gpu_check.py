@@ -5,6 +5,7 @@ between calls; so the check is two calls, the measurements first:
     bash benchmarks/gpu_deps.sh                                               # here: .gpu_deps/, what the GPU lacks
     PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=measure --out "$OUT"      # there: at most 7 min
     PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=test_cuda --out "$OUT"    # there: at most 5 min
+    PYTHONPATH=.gpu_deps:. python benchmarks/gpu_check.py --parts=onnx_cuda --out "$OUT"    # there: about 1 min
     python benchmarks/gpu_check.py --smoke                                    # here: every part, tiny, on the CPU
 
 Each part is a process with a time budget, printed as it starts: its script is told to start no form after most of
@@ -23,6 +24,9 @@ measure (the first call):
 test_cuda (the second call): tests/test_cuda.py with Inductor's cache empty: the compiled step with CUDA graphs
 against the plain step, accumulated gradients, hard attention under bf16 and clipping, and compile_decoder's
 captions against the eager search's in every form.
+onnx_cuda (a third call, where onnxruntime-gpu is installed): benchmarks/onnx_runtime.py --cuda, the bundled model's
+float export on ONNX Runtime's CUDA provider against torch on CUDA, one JPEG and 64; without onnxruntime-gpu (the
+usual case: .gpu_deps/ cannot carry it) one row that says "not measured", in seconds.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ PACKAGES = [  # what captioner, its CLI and the tests import beyond torch
     *("pycocotools", "pycocoevalcap", "tensorboard", "pytest"),
 ]
 FIT_FRACTION = 0.2  # of COCO's training images: what the fit part's budget holds (benchmarks/fit.py)
-GROUPS = {"measure": ("preflight", "one_image", "decode", "fit"), "test_cuda": ("test_cuda",)}
+GROUPS = {
+    "measure": ("preflight", "one_image", "decode", "fit"),
+    "test_cuda": ("test_cuda",),
+    "onnx_cuda": ("onnx_cuda",),
+}
 
 
 def preflight() -> None:
@@ -121,6 +129,7 @@ def main() -> None:
         ("decode", script("decode.py", 70, "--tables=tutorial"), 70),
         ("fit", [python, str(HERE / "fit.py"), f"--out={out}", *fraction, *smoke], 210),
         ("test_cuda", [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/test_cuda.py"], 280),
+        ("onnx_cuda", script("onnx_runtime.py", 90, "--cuda", "--calls=30"), 90),
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

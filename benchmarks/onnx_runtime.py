@@ -4,13 +4,22 @@ unchanged from torch's, BLEU-4 and CIDEr-D (pycocoevalcap's, on captioner's toke
 with the PTB tokenizer instead, so its figures differ a little).
 
 Forms: torch (`captioner.Captioner`, eager), and `captioner export --format onnx` run by `captioner.onnx.Captioner`
-(CPU execution provider): float, `--int8 step` (the decoder step's weights) and `--int8 all` (the encoder's
-convolutions too).
+(CPU execution provider, Pillow's resize): float, `--int8 step` (the decoder's weights) and `--int8 all` (the
+encoder's convolutions too); and the float export with `resize="exact"` (torchvision's pixels to the bit).
 
     python benchmarks/onnx_runtime.py             # the bundled model and its 500 test images
     python benchmarks/onnx_runtime.py --ucm-model checkpoints/ucm/best.ckpt --ucm-data data/ucm
                                                   # and a model fitted with configs/ucm.yaml, on UCM's test split
     python benchmarks/onnx_runtime.py --smoke     # a few images and calls: checks the script only
+
+A profile of one JPEG, beam 3, phase by phase (the median of --calls calls each: read, resize, encoder, start, search,
+and `caption()` whole), for torch and the float export; and the float export's latency under ONNX Runtime's thread
+options (`threads`, `spinning`: `captioner.onnx.runtime.session_options`).
+
+    python benchmarks/onnx_runtime.py --tables latency,profile   # some tables only
+    python benchmarks/onnx_runtime.py --cuda      # on a GPU: ONNX Runtime's CUDA provider against torch on CUDA
+                                                  # (benchmarks/gpu_check.py's onnx_cuda part; "not measured"
+                                                  # without onnxruntime-gpu)
 
 Rows are printed, and written to --out, as they are measured; a form that fails is a row with its error.
 """
@@ -30,6 +39,7 @@ from common import Table, deadline, fail_if_asked, machine, one_line, out_folder
 
 from captioner import Captioner
 from captioner.data.coco import read_karpathy
+from captioner.data.images import load_image
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import tokenize
 from captioner.metrics import coco_caption_scores
@@ -52,9 +62,16 @@ def exports(checkpoint: str, folder: Path) -> dict[str, Path | str]:
 
 
 def captioners(checkpoint: str, made: dict[str, Path | str]) -> dict[str, object]:
+    """torch's, and each export's on the CPU provider (Pillow's resize, the default); the float export also with the
+    exact resize (torchvision's pixels to the bit)."""
     forms: dict[str, object] = {"torch, eager": Captioner.load(checkpoint, device="cpu")}
     for form, folder in made.items():
-        forms[form] = folder if isinstance(folder, str) else OnnxCaptioner(folder, providers=["CPUExecutionProvider"])
+        cpu = ["CPUExecutionProvider"]
+        forms[form] = folder if isinstance(folder, str) else OnnxCaptioner(folder, cpu)
+        if form == "onnx, float":
+            forms["onnx, float, exact resize"] = (
+                folder if isinstance(folder, str) else OnnxCaptioner(folder, cpu, resize="exact")
+            )
     return forms
 
 
@@ -88,6 +105,92 @@ def latency_rows(model: str, forms: dict[str, object], image: Path, batch: list[
         rows.measure(row, measure)
 
 
+def profile_rows(model: str, forms: dict[str, object], image: Path, calls: int, rows: Table):
+    """One JPEG, beam 3, phase by phase: the median of `calls` calls of each phase, after two untimed ones. The search
+    is `generate` less the start (ONNX: its own graph; torch: init_state and prepare, inside generate)."""
+    for form in ("torch, eager", "onnx, float", "onnx, float, exact resize"):
+        captioner = forms.get(form)
+        row = {"model": model, "form": form}
+        if not hasattr(captioner, "caption"):
+            rows.add({**row, "error": str(captioner)})
+            continue
+
+        def measure(captioner=captioner, form=form) -> dict:
+            times: dict[str, list[float]] = {}
+
+            def timed(phase, fn, *args):
+                start = time.perf_counter()
+                out = fn(*args)
+                times.setdefault(phase, []).append(1000 * (time.perf_counter() - start))
+                return out
+
+            for _ in range(2 + calls):
+                picture = timed("read", load_image, image)
+                if form == "torch, eager":
+                    x = timed("resize", lambda p: captioner.transform(p)[None], picture)
+                    annotations = timed("encoder", captioner.model.annotate, x)
+                    decoder = captioner.model.decoder
+                    timed("start", lambda a, d=decoder: (d.init_state(a), d.prepare(a)), annotations)
+                    timed("generate", lambda a: captioner.model.generate(annotations=a, beam_size=3), annotations)
+                else:
+                    x = timed("resize", lambda p: captioner.preprocess(p)[None], picture)
+                    annotations = timed("encoder", captioner.annotate, x)
+                    timed("start", lambda a: captioner.sessions["start"].run(None, {"annotations": a}), annotations)
+                    timed("generate", lambda a: captioner.generate(a, beam_size=3), annotations)
+                timed("caption()", captioner.caption, [image])
+            median = {phase: statistics.median(t[2:]) for phase, t in times.items()}
+            median["search"] = median.pop("generate") - median["start"]
+            parts = ("read", "resize", "encoder", "start", "search")
+            return {**{f"{p}, ms": f"{median[p]:.1f}" for p in (*parts, "caption()")},
+                    "sum of phases, ms": f"{sum(median[p] for p in parts):.1f}"}  # fmt: skip
+
+        rows.measure(row, measure)
+
+
+def thread_rows(model: str, folder: Path | str, image: Path, batch: list[Path], calls: int, rows: Table):
+    """The float export's latency under ONNX Runtime's thread options, each session set alone."""
+    for threads in (1, 2):
+        for spinning in (False, True):
+            row = {"model": model, "threads": threads, "spinning": spinning}
+            if isinstance(folder, str):
+                rows.add({**row, "error": folder})
+                continue
+
+            def measure(threads=threads, spinning=spinning) -> dict:
+                captioner = OnnxCaptioner(folder, ["CPUExecutionProvider"], threads=threads, spinning=spinning)
+                one, many = [], []
+                for calls_, images, times in ((calls, [image], one), (3, batch, many)):
+                    for i in range(2 + calls_):
+                        start = time.perf_counter()
+                        captioner.caption(images, beam_size=3, batch_size=len(images))
+                        if i >= 2:
+                            times.append(1000 * (time.perf_counter() - start))
+                return {"1 image p50, ms": f"{statistics.median(one):.1f}",
+                        f"{len(batch)} images, ms": f"{statistics.median(many):.0f}"}  # fmt: skip
+
+            rows.measure(row, measure)
+
+
+def cuda_rows(out: Path | None, until: float | None, calls: int, folder: Path) -> None:
+    """One JPEG and 64, beam 3, the bundled model: torch (eager) on CUDA against the float export on ONNX Runtime's
+    CUDA execution provider, whose word graphs keep their state on the GPU between calls (`captioner.onnx.search`)."""
+    rows = Table("onnx_cuda", f"CUDA: from file to caption, beam 3; 1 image: {calls} calls each", out, until)
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
+        reason = "no CUDA device" if not torch.cuda.is_available() else "onnxruntime has no CUDAExecutionProvider"
+        rows.add({"form": "onnx, CUDA provider", "error": f"not measured: {reason} (pip install onnxruntime-gpu)"})
+        return rows.finish()
+    image = write_images(folder / "one", [], distinct=1)[0]
+    batch = write_images(folder / "batch", [], distinct=64)
+    exported = export_onnx("shapes", folder / "shapes_cuda")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    forms = {
+        "torch, eager, CUDA": Captioner.load("shapes", device="cuda"),
+        "onnx, float, CUDA provider": OnnxCaptioner(exported, providers),
+    }
+    latency_rows("shapes (bundled)", forms, image, batch, calls, rows)
+    rows.finish()
+
+
 def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], paths, references, rows: Table):
     """Captions of the split's files (beam 3) by each form: unchanged from torch's, BLEU-4, CIDEr-D."""
     want = None
@@ -118,6 +221,7 @@ def file_sizes(checkpoint: str, made: dict[str, Path | str]) -> dict[str, str]:
     from captioner.checkpoints import resolve
 
     sizes = {"torch, eager": f"{resolve(checkpoint).stat().st_size / 2**20:.1f}"}
+    made = {**made, "onnx, float, exact resize": made.get("onnx, float", "")}
     for form, folder in made.items():
         if not isinstance(folder, str):
             sizes[form] = f"{sum(f.stat().st_size for f in folder.glob('*.onnx')) / 2**20:.1f}"
@@ -133,17 +237,25 @@ def main() -> None:
     parser.add_argument("--ucm-data", help="UCM's folder (dataset.json, images/), as data/README.md says")
     parser.add_argument("--out", help="a folder for the tables' rows (onnx_*.jsonl as measured, onnx_*.md)")
     parser.add_argument("--budget", type=float, help="seconds: a form not started by then is a row that says so")
+    parser.add_argument("--tables", default="latency,profile,threads,quality", help="the tables to measure")
+    parser.add_argument("--cuda", action="store_true", help="CUDA's provider against torch on CUDA, nothing else")
     options = parser.parse_args()
+    tables = set(options.tables.split(","))
     calls, images = (3, 8) if options.smoke else (options.calls, options.images)
     out, until = out_folder(options.out), deadline(options.budget)
     print(f"# onnx_runtime.py on {machine()}, onnxruntime {onnxruntime.__version__}", flush=True)
     if options.smoke:
         print("# smoke run: not a measurement", flush=True)
+    if options.cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            return cuda_rows(out, until, calls, Path(tmp))
     models = {"shapes (bundled)": "shapes"}
     if options.ucm_model:
         models["UCM (configs/ucm.yaml)"] = options.ucm_model
     speed = Table("onnx_latency", f"from file to caption, beam 3, CPU; 1 image: {calls} calls each", out, until)
     quality = Table("onnx_quality", "test split from files, beam 3: captions and scores", out, until)
+    profile = Table("onnx_profile", f"one JPEG, beam 3, per phase: the median of {calls} calls", out, until)
+    threads = Table("onnx_threads", "the float export under ONNX Runtime's thread options", out, until)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         image = write_images(folder / "one", [], distinct=1)[0]
@@ -151,7 +263,14 @@ def main() -> None:
         for model, checkpoint in models.items():
             made = exports(checkpoint, folder / model.split()[0])
             forms = captioners(checkpoint, made)
-            latency_rows(model, forms, image, batch, calls, speed)
+            if "latency" in tables:
+                latency_rows(model, forms, image, batch, calls, speed)
+            if "profile" in tables:
+                profile_rows(model, forms, image, calls, profile)
+            if "threads" in tables:
+                thread_rows(model, made["onnx, float"], image, batch, calls, threads)
+            if "quality" not in tables:
+                continue
             if checkpoint == "shapes":
                 split = ShapesDataset("test", images, seed=0)
                 paths = [folder / f"shapes_{i:03d}.png" for i in range(len(split))]
@@ -166,8 +285,8 @@ def main() -> None:
             else:
                 continue
             quality_rows(model, forms, file_sizes(checkpoint, made), paths, references, quality)
-    speed.finish()
-    quality.finish()
+    for table in (speed, profile, threads, quality):
+        table.finish()
 
 
 if __name__ == "__main__":

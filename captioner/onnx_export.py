@@ -6,7 +6,7 @@ The folder holds:
   preprocessing's normalisation is inside the graph, and the backbone's BatchNorms are folded into its convolutions;
 - `start.onnx`: annotations (B,P,E) -> the LSTM's initial state h, c (B,D) and the attention's keys (B,P,A), computed
   once per batch (`AttentionDecoder.init_state`, `prepare`);
-- `greedy.onnx` and `beam.onnx`: `WORDS` words of the greedy and the beam search, every image (and hypothesis) at
+- `greedy.onnx` and `beam.onnx`: `WORDS` (4) words of the greedy and the beam search, every image (and hypothesis) at
   once, their state in and out (`GreedyWordsGraph`, `BeamWordsGraph`): the torch searches' own word functions
   (`captioner.models.decoding._greedy_words`, `_beam_words`, which a compiled decoder compiles), so that the top-k,
   the length penalty, the reorder by parent and the choice of each image's winner are written once, there;
@@ -40,14 +40,16 @@ from captioner.checkpoints import build_model, model_file, resolve
 from captioner.data.vocab import _patterns
 from captioner.errors import CaptionerError, ConfigError, check_choice, install_hint
 from captioner.files import write_text_atomically
-from captioner.models.decoding import CHECK_EVERY, LENGTH_PENALTY, _beam_words, _greedy_words, finished_extension
+from captioner.models.decoding import LENGTH_PENALTY, _beam_words, _greedy_words, finished_extension
 from captioner.models.show_attend_tell import ShowAttendTell
 
 OPSET = 18
 FORMAT = 2  # captioner.json's layout; captioner.onnx reads this one (1: a step graph, searched in numpy)
-# The words a search's graph runs a call (`captioner.models.decoding.CHECK_EVERY`, a compiled decoder's): the host
-# reads whether every caption has ended once a call, and up to WORDS - 1 words run after the last one has
-WORDS = CHECK_EVERY
+# The words a search's graph runs a call: the host reads whether every caption has ended once a call, and up to
+# WORDS - 1 words run after the last one has. Chosen by measurement on 2 CPU cores, beam 3 (docs/benchmarks.md): 4
+# words a call searched the UCM model's 64 images in 244 ms, against 272 ms for 2 and for 8 (a compiled decoder's
+# CHECK_EVERY, made for GPUs, where each read makes the device wait) and 462 ms for 16.
+WORDS = 4
 GRAPHS = ("encoder", "start", "greedy", "beam")
 STATE = ("tokens", "h", "c", "scores", "lengths", "finished")  # a word graph's state, in and out (+ "_out")
 INPUTS = {

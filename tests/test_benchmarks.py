@@ -34,7 +34,7 @@ def test_the_gpu_check_runs_every_part_on_a_cpu_and_a_form_that_fails_is_a_row(t
     result = run("benchmarks/gpu_check.py", "--smoke", f"--out={tmp_path}", timeout=600, fail=fail)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    parts = ["preflight", "one_image", "decode", "fit", "test_cuda"]
+    parts = ["preflight", "one_image", "decode", "fit", "test_cuda", "onnx_cuda"]
     assert [line.split(":")[0] for line in summary] == parts and all(": ok," in line for line in summary), summary
     made_to_fail = "RuntimeError: made to fail"
     # one_image: the failing form is a row with its error; the others, both models, are measured
@@ -56,6 +56,9 @@ def test_the_gpu_check_runs_every_part_on_a_cpu_and_a_form_that_fails_is_a_row(t
     assert any(phase.startswith("projected: the paper's schedule") for phase in fit)
     assert "0 host waits in 3 steps" in (tmp_path / "fit.txt").read_text()
     assert "wall" in (tmp_path / "fit_profile.txt").read_text()
+    # onnx_cuda: on a machine without CUDA (or without onnxruntime-gpu), one row that says so
+    (cuda,) = rows(tmp_path / "onnx_cuda.jsonl")
+    assert cuda["error"].startswith("not measured: no CUDA device"), cuda
 
 
 def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_path):
@@ -74,13 +77,21 @@ def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     latency = {row["form"]: row for row in rows(tmp_path / "onnx_latency.jsonl")}
     quality = {row["form"]: row for row in rows(tmp_path / "onnx_quality.jsonl")}
-    forms = ["torch, eager", "onnx, float", "onnx, int8 step", "onnx, int8 all"]
+    forms = ["torch, eager", "onnx, float", "onnx, float, exact resize", "onnx, int8 step", "onnx, int8 all"]
     assert list(latency) == list(quality) == forms
     assert latency["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
-    assert all("1 image p50, ms" in latency[form] and "8 images, ms" in latency[form] for form in forms[:3])
+    assert all("1 image p50, ms" in latency[form] and "8 images, ms" in latency[form] for form in forms[:4])
     # the float export writes torch's captions (tests/test_onnx.py: word for word), so it scores the same
-    assert quality["onnx, float"]["captions unchanged"] == "1.000"
-    assert quality["onnx, float"]["CIDEr-D"] == quality["torch, eager"]["CIDEr-D"]
+    assert quality["onnx, float, exact resize"]["captions unchanged"] == "1.000"
+    assert quality["onnx, float, exact resize"]["CIDEr-D"] == quality["torch, eager"]["CIDEr-D"]
+    # the profile, phase by phase, for torch and the float export; the float export under each thread option
+    profile = {row["form"]: row for row in rows(tmp_path / "onnx_profile.jsonl")}
+    assert list(profile) == forms[:3]
+    assert all(float(row[f"{phase}, ms"]) > 0 for row in profile.values() for phase in ("resize", "encoder", "search"))
+    options = [
+        (row["threads"], row["spinning"], "1 image p50, ms" in row) for row in rows(tmp_path / "onnx_threads.jsonl")
+    ]
+    assert options == [(1, False, True), (1, True, True), (2, False, True), (2, True, True)]
 
 
 def test_resize_py_measures_both_forms_and_a_form_that_fails_is_a_row(tmp_path):

@@ -27,6 +27,8 @@ __all__ = ["CaptionResult", "Captioner", "is_export", "providers", "session"]
 
 FORMAT = 2  # the captioner.json layout read here (captioner.onnx_export.FORMAT)
 GRAPHS = ("encoder", "start", "greedy", "beam")
+RESIZES = ("pillow", "exact")  # Pillow's resampling, or torchvision's pixels to the bit (`captioner.onnx.resize`)
+RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
 
 def providers() -> list[str]:
@@ -69,10 +71,12 @@ class Captioner(Backend):
     searches' words (`captioner.onnx.search`'s host loop runs them). `caption` and `iter_captions` are
     `captioner.Captioner`'s (`captioner.captioning.Backend`).
 
-    Images are read as `captioner.Captioner` reads them (any mode, EXIF orientation) and resized as torchvision
-    resizes them (`captioner.onnx.resize`): the annotations are the torch model's, to float rounding.
-    `providers` defaults to CUDA's when present, then the CPU's (`providers()`); `threads` and `spinning` set ONNX
-    Runtime's threads (`session_options`), or `options` sets every option."""
+    Images are read as `captioner.Captioner` reads them (any mode, EXIF orientation), and squashed to the model's
+    square input (`RESIZES`): by Pillow by default, whose resampling is torchvision's to within 2 levels (a value in
+    180 differs; docs/benchmarks.md measures what it does to captions) at a fifth of the numpy resize's time; or, with
+    `resize="exact"`, by `captioner.onnx.resize`, torchvision's own pixels, to the bit. `providers` defaults to CUDA's
+    when present, then the CPU's (`providers()`); `threads` and `spinning` set ONNX Runtime's threads
+    (`session_options`), or `options` sets every option."""
 
     def __init__(
         self,
@@ -81,8 +85,11 @@ class Captioner(Backend):
         threads: int | None = None,
         spinning: bool = False,
         options: ort.SessionOptions | None = None,
+        resize: str = "pillow",
     ):
-        self.folder = Path(folder)
+        if resize not in RESIZES:
+            raise CaptionerError(f"resize={resize!r}: one of {', '.join(RESIZES)}")
+        self.folder, self.resize = Path(folder), resize
         try:
             self.config = json.loads((self.folder / "captioner.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
@@ -124,9 +131,12 @@ class Captioner(Backend):
         return self.sessions["beam"].get_providers()
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
-        """An RGB image -> the encoder's input (3,S,S) uint8: squashed to the model's square size as torchvision
-        resizes it."""
-        pixels = resize(np.asarray(image, dtype=np.uint8), self.config["image_size"], self.config["interpolation"])
+        """An RGB image -> the encoder's input (3,S,S) uint8: squashed to the model's square size (`RESIZES`)."""
+        size, mode = self.config["image_size"], self.config["interpolation"]
+        if self.resize == "exact":
+            pixels = resize(np.asarray(image, dtype=np.uint8), size, mode)
+        else:
+            pixels = np.asarray(image.resize((size, size), RESAMPLING[mode]), dtype=np.uint8)
         return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
     def annotate(self, images: np.ndarray) -> np.ndarray:
