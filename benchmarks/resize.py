@@ -1,5 +1,5 @@
-"""The numpy resize of `captioner.onnx` (what the deployed captioner runs instead of torchvision) against torchvision's
-resize, on one large photo: time, and the peak memory a resize needs beyond the photo's own pixels.
+"""The resizes of `captioner.onnx` (Pillow's, its default, and the exact numpy one, torchvision's pixels to the bit)
+against torchvision's, on one large photo: time, and the peak memory a resize needs beyond the photo's own pixels.
 
 A 12-megapixel JPEG (4000x3000: a phone's photo), decoded, then resized to the bundled model's 224x224 (bicubic,
 antialiased, uint8, as `Preprocessing.transforms(normalize=False)` does) by each form, each in a process of its own:
@@ -25,7 +25,7 @@ import numpy as np
 from common import Table, machine, out_folder
 from PIL import Image
 
-FORMS = ("numpy (captioner.onnx.resize)", "torchvision (v2.Resize)")
+FORMS = ("numpy (captioner.onnx.resize)", "Pillow (Image.resize)", "torchvision (v2.Resize)")
 
 MEASURE = """
 import json, statistics, sys, time
@@ -39,6 +39,9 @@ form, path, size, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.
 if form.startswith("numpy"):
     from captioner.onnx.resize import resize
     run = lambda pixels: resize(pixels, size, "bicubic")
+elif form.startswith("Pillow"):  # as captioner.onnx.Captioner.preprocess: a PIL image in, an array out
+    from PIL import Image
+    run = lambda pixels: np.asarray(Image.fromarray(pixels).resize((size, size), Image.Resampling.BICUBIC))
 else:
     import torch
     from torchvision.transforms import v2

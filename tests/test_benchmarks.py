@@ -98,7 +98,7 @@ def test_resize_py_measures_both_forms_and_a_form_that_fails_is_a_row(tmp_path):
     result = run("benchmarks/resize.py", "--smoke", f"--out={tmp_path}", timeout=300, fail=("torchvision (v2.Resize)",))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     forms = {row["form"]: row for row in rows(tmp_path / "resize.jsonl")}
-    assert list(forms) == ["numpy (captioner.onnx.resize)", "torchvision (v2.Resize)"]
+    assert list(forms) == ["numpy (captioner.onnx.resize)", "Pillow (Image.resize)", "torchvision (v2.Resize)"]
     assert forms["torchvision (v2.Resize)"]["error"].startswith("RuntimeError: made to fail")
     numpy = forms["numpy (captioner.onnx.resize)"]
     assert numpy["ms"] > 0 and numpy["peak extra, MiB"] >= 0 and numpy["photo, MiB (uint8)"] == 0.3

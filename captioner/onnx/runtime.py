@@ -72,11 +72,11 @@ class Captioner(Backend):
     `captioner.Captioner`'s (`captioner.captioning.Backend`).
 
     Images are read as `captioner.Captioner` reads them (any mode, EXIF orientation), and squashed to the model's
-    square input (`RESIZES`): by Pillow by default, whose resampling is torchvision's to within 2 levels (a value in
-    180 differs; docs/benchmarks.md measures what it does to captions) at a fifth of the numpy resize's time; or, with
-    `resize="exact"`, by `captioner.onnx.resize`, torchvision's own pixels, to the bit. `providers` defaults to CUDA's
-    when present, then the CPU's (`providers()`); `threads` and `spinning` set ONNX Runtime's threads
-    (`session_options`), or `options` sets every option."""
+    square input (`RESIZES`): by Pillow by default, whose resampling is torchvision's to within 2 levels (fewer than
+    one value in 100 differs; docs/benchmarks.md measures what it does to captions) at a fifth of the numpy resize's
+    time; or, with `resize="exact"`, by `captioner.onnx.resize`, torchvision's own pixels, to the bit. `providers`
+    defaults to CUDA's when present, then the CPU's (`providers()`); `threads` and `spinning` set ONNX Runtime's
+    threads (`session_options`), or `options` sets every option."""
 
     def __init__(
         self,
