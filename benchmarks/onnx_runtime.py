@@ -178,7 +178,8 @@ def cuda_rows(out: Path | None, until: float | None, calls: int, folder: Path) -
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
         reason = "no CUDA device" if not torch.cuda.is_available() else "onnxruntime has no CUDAExecutionProvider"
         rows.add({"form": "onnx, CUDA provider", "error": f"not measured: {reason} (pip install onnxruntime-gpu)"})
-        return rows.finish()
+        rows.finish()
+        return
     image = write_images(folder / "one", [], distinct=1)[0]
     batch = write_images(folder / "batch", [], distinct=64)
     exported = export_onnx("shapes", folder / "shapes_cuda")
@@ -248,7 +249,8 @@ def main() -> None:
         print("# smoke run: not a measurement", flush=True)
     if options.cuda:
         with tempfile.TemporaryDirectory() as tmp:
-            return cuda_rows(out, until, calls, Path(tmp))
+            cuda_rows(out, until, calls, Path(tmp))
+        return
     models = {"shapes (bundled)": "shapes"}
     if options.ucm_model:
         models["UCM (configs/ucm.yaml)"] = options.ucm_model
