@@ -125,24 +125,28 @@ class BeamWordsGraph(nn.Module):
         self.register_buffer("finished_log_probs", finished, persistent=False)
 
     def forward(self, tokens, h, c, scores, lengths, finished, annotations, keys, length_penalty):
+        # every shape spelled out from A, K, D and P: a -1 would need the tensor's size, which torch 2.7's exporter
+        # cannot write (aten.sym_numel)
         A, K = scores.shape
-        state = tokens.reshape(-1), h.flatten(0, 1), c.flatten(0, 1), scores, lengths.reshape(-1), finished.reshape(-1)
+        D, P, N = h.size(2), annotations.size(1), self.words
+        state = (tokens.reshape(A * K), h.reshape(A * K, D), c.reshape(A * K, D), scores, lengths.reshape(A * K),
+                 finished.reshape(A * K))  # fmt: skip
         fixed = annotations, keys, self.finished_log_probs, self.never
         state, parents, words, alphas, *winners = _beam_words(
-            self.decoder, state, fixed, self.words, K, length_penalty, self.end, winners=True
+            self.decoder, state, fixed, N, K, length_penalty, self.end, winners=True
         )
         tokens, h, c, scores, lengths, finished = state
-        n, first = self.words, torch.arange(A, device=scores.device) * K  # each image's first row
+        first = torch.arange(A, device=scores.device) * K  # each image's first row
         return (
             tokens.view(A, K),
-            h.view(A, K, -1),
-            c.view(A, K, -1),
+            h.view(A, K, D),
+            c.view(A, K, D),
             scores,
             lengths.view(A, K),
             finished.view(A, K),
-            parents.view(n, A, K) - first.view(1, A, 1),  # image a's hypothesis k is row a*K + k
-            words.view(n, A, K),
-            alphas.view(n, A, K, -1),
+            parents.view(N, A, K) - first.view(1, A, 1),  # image a's hypothesis k is row a*K + k
+            words.view(N, A, K),
+            alphas.view(N, A, K, P),
             *winners,
         )
 

@@ -8,8 +8,8 @@ What the host does, and why it cannot be a graph:
   torch searches' does on a CPU; this happens at most once a call, and only when an image has finished;
 - it follows the back-pointers once at the end (a caption's length is known only then).
 
-The state passes from one call to the next as OrtValues, on the provider's device, never through numpy; the
-annotations and keys are bound once per batch, and again only when images leave (`Words`).
+The state passes from one call to the next as OrtValues, never through numpy; the annotations and keys become
+OrtValues on the provider's device once per batch, and again only when images leave (`Words`).
 """
 
 from __future__ import annotations
@@ -37,32 +37,29 @@ class Generation:
 
 
 class Words:
-    """A word graph's session, bound for one batch (ONNX Runtime's IOBinding): the inputs that stay fixed are bound
-    once (`bind`), the state's each call from the last call's outputs, which stay OrtValues on `device` ("cpu" or
-    "cuda"); every call's outputs are newly allocated, so a state is never overwritten by the call that reads it."""
+    """A word graph's session for one batch: the inputs that stay fixed become OrtValues once (`bind`), on `device`
+    ("cpu" or "cuda"), and each call's state is the last call's outputs, OrtValues as ONNX Runtime returned them
+    (`run_with_ort_values`), never numpy arrays. Each call's outputs are new: a state is never overwritten by the call
+    that reads it (ONNX Runtime 1.20's IOBinding wrote a call's outputs over the last call's; tests/test_onnx.py
+    checks that they outlive the next call)."""
 
     def __init__(self, session: ort.InferenceSession, device: str, fixed: dict[str, np.ndarray]):
         self.session, self.device = session, device
-        self.binding = session.io_binding()
         self.outputs = [output.name for output in session.get_outputs()]
+        self.fixed: dict[str, ort.OrtValue] = {}
         self.bind(fixed)
 
     def value(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)
 
     def bind(self, fixed: dict[str, np.ndarray]) -> None:
-        for name, array in fixed.items():
-            self.binding.bind_ortvalue_input(name, self.value(array))
+        """Inputs that every call reads, as OrtValues: the annotations and keys (again when images leave the batch)
+        and the length penalty."""
+        self.fixed.update({name: self.value(array) for name, array in fixed.items()})
 
     def __call__(self, state: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        for name, value in state.items():
-            self.binding.bind_ortvalue_input(name, value)
-        for name in self.outputs:
-            self.binding.bind_output(name, self.device)
-        self.session.run_with_iobinding(self.binding)
-        out = dict(zip(self.outputs, self.binding.get_outputs(), strict=True))
-        self.binding.clear_binding_outputs()
-        return out
+        out = self.session.run_with_ort_values(self.outputs, {**self.fixed, **state})
+        return dict(zip(self.outputs, out, strict=True))
 
     def next_state(self, out: dict[str, ort.OrtValue], keep: np.ndarray | None = None) -> dict[str, ort.OrtValue]:
         """The state for the next call: the outputs as they are, or, when images leave, the rows `keep` of each."""
