@@ -180,6 +180,8 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
     missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"an ONNX export needs {', '.join(missing)}: {install_hint('onnx')}")
+    if int8 is not None:
+        check_quantizer()
     name = name or str(checkpoint)
     file = model_file(resolve(checkpoint), name)
     model = build_model(file, name).eval()
@@ -349,6 +351,23 @@ def _compare(graph: str, what: str, want: list[torch.Tensor], got: list[torch.Te
                 f"{name}: the exported {graph} graph's {output} are not the model's ({what}: off by "
                 f"{float(error.max()):.2g}, more than {allowed:.2g})"
             )
+
+
+QUANTIZER = (1, 32)  # the oldest ONNX Runtime whose quantizer takes the word graphs (1.20-1.31 fail on the beam's)
+
+
+def check_quantizer() -> None:
+    """`--int8` needs ONNX Runtime's quantizer from `QUANTIZER` on: older ones cannot infer the types of the beam
+    graph's weights ("Unable to find data type for weight_name ..."). Running a quantized export needs no more than
+    the float one."""
+    import onnxruntime
+
+    version = tuple(int(part) for part in onnxruntime.__version__.split(".")[:2])
+    if version < QUANTIZER:
+        raise ConfigError(
+            f"--int8 needs onnxruntime >= {'.'.join(map(str, QUANTIZER))}, whose quantizer takes the search's word "
+            f"graphs (this one is {onnxruntime.__version__}): pip install -U onnxruntime"
+        )
 
 
 def quantize(folder: Path, graphs: tuple[str, ...]) -> None:
