@@ -8,8 +8,9 @@ What the host does, and why it cannot be a graph:
   torch searches' does on a CPU; this happens at most once a call, and only when an image has finished;
 - it follows the back-pointers once at the end (a caption's length is known only then).
 
-The state passes from one call to the next as OrtValues, never through numpy; the annotations and keys become
-OrtValues on the provider's device once per batch, and again only when images leave (`Words`).
+The state passes from one call to the next as OrtValues, through numpy only when images leave the batch (their rows
+gathered); the annotations and keys become OrtValues on the provider's device once per batch, and again only when
+images leave (`Words`).
 """
 
 from __future__ import annotations
