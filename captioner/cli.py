@@ -520,12 +520,27 @@ def main(argv: list[str] | None = None) -> None:
             ours[argv[0]](argv[1:])
         else:
             run_lightning_cli(argv)
+            end_process_group()
     except CaptionerError as err:
         message = str(err).strip().splitlines()
         # One write of the whole line: the processes of a DDP run share the stream, and each says it
         sys.stderr.write(f"error: {message[0] if message else type(err).__name__}\n")
         sys.stderr.flush()
+        end_process_group()
         sys.exit(2)
+
+
+def end_process_group() -> None:
+    """Destroy the DDP process group, as PyTorch asks each process to before it exits (Lightning does it for NCCL only).
+    A gloo group left to the interpreter's exit aborts the process now and then: "terminate called without an active
+    exception", status -6, after a run that had done all its work. Called where a command has ended, or has refused
+    with a one-line error; not after an unexpected exception, where another process may still wait in a collective."""
+    if "torch" not in sys.modules:  # the command never imported torch, so no group exists
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -244,3 +244,34 @@ def test_evaluate_without_a_config_scores_the_data_the_checkpoint_was_trained_on
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert sorted(c["image_id"] for c in captions) == list(range(16))  # configs/debug.yaml's 16 val images
     assert "Bleu_4" in json.loads((tmp_path / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("ends", ["done", "refused"])
+def test_a_command_destroys_the_process_group_before_it_exits(ends, tmp_path, monkeypatch):
+    """A gloo group left to the interpreter's exit aborted a DDP `captioner test` that had done its work (CI, status -6,
+    "terminate called without an active exception"): the command destroys it, whether it ended or refused in one
+    line. Here a one-process gloo group stands in for the one Lightning starts."""
+    import torch.distributed as dist
+
+    from captioner import cli
+    from captioner.errors import ConfigError
+
+    def lightning(argv):
+        store = dist.FileStore(str(tmp_path / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.all_reduce(torch.ones(2))
+        if ends == "refused":
+            raise ConfigError("a refusal after the group started")
+
+    monkeypatch.setattr(cli, "run_lightning_cli", lightning)
+    try:
+        if ends == "done":
+            main(["test"])
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                main(["test"])
+            assert exit_.value.code == 2
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():  # never leave a group to the tests after this one
+            dist.destroy_process_group()
