@@ -197,3 +197,48 @@ def test_what_the_docs_say_of_the_shipped_configs_is_what_they_hold():
         assert monitor == ("val/bleu4" if path.stem in ("shapes", "debug") else "val/cider"), (path.name, monitor)
     data = printed_config("configs/coco_resnet101.yaml")["data"]["init_args"]
     assert not data["feature_cache"] and data["image_cache"]
+
+
+def test_what_the_docs_say_of_checkpoint_options_the_training_step_and_exports_is_what_the_code_does(monkeypatch):
+    """Three more claims that were once wrong (issue #77), each read in the text and checked against the code. (1)
+    `--checkpoint` is a file's option of caption, evaluate, export, serve and demo; on fit it is the group of the best
+    checkpoint's options, and a file given there is refused. (2) The training step runs at fixed shapes, the padding
+    masked, where `compile` is auto on CUDA, and shrinks on a CPU (the two give the same loss and gradients:
+    tests/models/test_fixed_shape.py). (3) An export leaves out an encoder still equal to its pretrained source, and
+    `export` takes `--include-encoder` to keep it (loading without it offline: tests/test_checkpoints.py)."""
+    import torch
+
+    from captioner.checkpoints import export
+    from captioner.errors import ConfigError
+    from captioner.lit_module import CaptioningModule
+
+    def flowing(path: Path) -> str:
+        return " ".join(path.read_text(encoding="utf-8").split())
+
+    usage, readme = flowing(REPO / "docs" / "usage.md"), flowing(REPO / "README.md")
+    assert (
+        "`caption`, `evaluate`, `export`, `serve` and `demo` also take `--checkpoint`, its old spelling; on `fit` and "
+        "`test`, `--checkpoint.*` is the group of the best checkpoint's options" in usage
+    )
+    for command in ("caption", "evaluate", "export", "serve", "demo"):
+        parser = parser_of(command, monkeypatch)
+        assert "--checkpoint" in {o for action in parser._actions for o in action.option_strings}, command
+    with pytest.raises(ConfigError, match="checkpoint"):
+        cli.run_lightning_cli(["fit", "--config", "configs/debug.yaml", "--checkpoint", "best.ckpt", "--print_config"])
+
+    assert (
+        "on a CPU padding is never computed: captions are sorted by length and each step runs only those still going; "
+        "the compiled step, the default on CUDA, runs every caption at fixed shapes and masks the padding out" in usage
+    )
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a"]
+    module = CaptioningModule(vocab, embed_dim=8, decoder_dim=8, attention_dim=8, pretrained=False)
+    assert not module.compiles_step() and not module.model.fixed_shape  # auto, on this CPU: the shrinking batch
+    with monkeypatch.context() as patch:
+        patch.setattr(CaptioningModule, "device", property(lambda self: torch.device("cuda")))
+        assert module.compiles_step()  # auto on CUDA, where on_fit_start compiles the fixed-shape step:
+    assert module.model.compile_training_step(backend="eager").fixed_shape
+
+    assert "It leaves out an encoder still equal to its pretrained source" in readme
+    assert "for a machine without internet add `--include-encoder`" in readme
+    assert "--include-encoder" in {o for a in parser_of("export", monkeypatch)._actions for o in a.option_strings}
+    assert "include_encoder" in export.__code__.co_varnames
