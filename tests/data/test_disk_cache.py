@@ -142,6 +142,7 @@ try:
 except CaptionerError as err:
     print(f"error: {err}", flush=True)
 print(f"seconds={time.monotonic() - start:.1f}", flush=True)
+dist.destroy_process_group()  # as PyTorch asks: a gloo group left to the exit may abort the process
 """
 
 
