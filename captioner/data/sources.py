@@ -11,6 +11,11 @@ image counts before it is kept:
   from the public mirror of its zips in jbrownlee/Datasets' releases;
 - Flickr30k (`dataset_flickr30k.json`, 29,000 / 1,014 / 1,000): Karpathy's zip, then LAVIS's `flickr30k_*.json`. Its
   images have no public source: they are asked of their authors (data/README.md).
+- UCM-captions (`dataset_ucm.json`, 1,680 / 210 / 210; Qu et al. 2016): the `dataset.json` of a public GitHub
+  repository that holds the set as released (its SHA-256 pinned), then the same file in that repository's archive.
+  Its 2,100 photos come from that archive (checked by the digest of their files), else from the UC Merced Land Use
+  archive (Yang and Newsam 2010; its MD5 as torchgeo publishes it), whose class-named files are numbered as the
+  captions are: class by class in alphabetical order, each block of 100 captions describing its class.
 
 A source's name (`SOURCES`) is what `CocoDataModule`'s `urls` overrides, for a mirror or a test's server.
 """
@@ -28,14 +33,27 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Source:
-    """One file's address, and its digest where one is published ("md5:<hex>" or "sha256:<hex>")."""
+    """One file's address, its digest where one is known ("md5:<hex>" or "sha256:<hex>"), and the name it is saved
+    under where the address does not end in one (GitHub's archives), from this address or a mirror's."""
 
     url: str
     digest: str | None = None
+    filename: str | None = None
+
+    def saved_as(self, url: str) -> str:
+        """The downloaded file's name: this source's own, or the last part of `url` (this address or a mirror's)."""
+        return self.filename or Path(url).name
 
 
 LAVIS = "https://storage.googleapis.com/sfr-vision-language-research/datasets"
 MIRROR_8K = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
+# UCM-captions as released (dataset.json and imgs/1.tif ... 2100.tif), in a public repository, at a fixed commit
+UCM_REPO = "AnkitJha06/Image-Description-Generation-Using-Attention-Mechanism"
+UCM_COMMIT = "a74db8f41cfe3c8a7a60e59fc49bc144a7bcb797"
+UCM_ARCHIVE_TOP = f"{UCM_REPO.split('/')[1]}-{UCM_COMMIT}"  # the folder at the top of GitHub's archive of it
+UCMERCED = "UCMerced_LandUse.zip"
+TORCHGEO = "https://huggingface.co/datasets/torchgeo/ucmerced/resolve/main"  # torchgeo's mirror of the archive
+UCMERCED_MD5 = "md5:5b7ec56793786b6dc8a908e8854ac0e4"  # torchgeo's (torchgeo/datasets/ucmerced.py)
 SOURCES = {
     "karpathy": Source("https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip"),
     # LAVIS's own MD5s (lavis/configs/datasets/coco/defaults_cap.yaml)
@@ -54,6 +72,14 @@ SOURCES = {
     "val2017": Source("http://images.cocodataset.org/zips/val2017.zip"),
     "annotations2014": Source("http://images.cocodataset.org/annotations/annotations_trainval2014.zip"),
     "annotations2017": Source("http://images.cocodataset.org/annotations/annotations_trainval2017.zip"),
+    "ucm_split": Source(
+        f"https://raw.githubusercontent.com/{UCM_REPO}/{UCM_COMMIT}/dataset.json",
+        "sha256:d21094cc42b172adb0c407d3ef0163e1b6115a1837760178858890e937e4a3fb",
+    ),
+    # GitHub makes its archives on request, so their bytes are not pinned: the photos in it are checked instead
+    "ucm_repository": Source(f"https://codeload.github.com/{UCM_REPO}/zip/{UCM_COMMIT}", filename="ucm_repository.zip"),
+    "ucmerced": Source(f"http://weegee.vision.ucmerced.edu/datasets/{UCMERCED}", UCMERCED_MD5),
+    "ucmerced_mirror": Source(f"{TORCHGEO}/{UCMERCED}", UCMERCED_MD5),
 }
 
 Splits = dict  # Karpathy's format: {"images": [{"filepath", "filename", "split", "imgid", "sentences": [...]}]}
@@ -139,20 +165,33 @@ class Route:
 
 
 @dataclass(frozen=True)
-class Images:
-    """An image archive: its source, the folder at its top, and whether that folder is the dataset's image root
-    itself (Flickr8k's `Flicker8k_Dataset/`) or one under it (COCO's `train2014/`, a Karpathy file's filepath)."""
+class Archive:
+    """One archive that holds a folder of a dataset's images: its source, the folder in it that holds them, how a
+    file's path in that folder becomes its name in the dataset (None: kept; a name of None: the file is left out),
+    the SHA-256 of the images it must give (`captioner.data.download.images_digest`) where it is known, and what is
+    said once when it is the archive used."""
 
     source: str
     folder: str
-    is_root: bool = False
+    rename: Callable[[str], str | None] | None = None
+    digest: str | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Images:
+    """A folder of the images a split file names: `folder` under the image root ("": the root itself; COCO's
+    `train2014/`, Flickr8k's photos), from the first of `archives` that gives it."""
+
+    folder: str
+    archives: tuple[Archive, ...]
 
 
 @dataclass(frozen=True)
 class Plan:
     """What `download: true` fetches for a Karpathy split file, in order: the file (from the first route that gives
-    the split's counts), then the image archives that are not on disk. `section` is data/README.md's, for a file put
-    in place by hand."""
+    the split's counts), then the folders of images that are not on disk. `section` is data/README.md's, for files
+    put in place by hand."""
 
     counts: tuple[int, int, int]
     routes: tuple[Route, ...]
@@ -160,18 +199,60 @@ class Plan:
     section: str
 
 
+def from_json(files: list[Path], split_file: str) -> Splits:
+    """A split file in Karpathy's format, as it is."""
+    return json.loads(files[0].read_text(encoding="utf-8"))
+
+
+def from_zip_member(member: str) -> Callable[[list[Path], str], Splits]:
+    """A split file in Karpathy's format, as it is, at `member` of a zip."""
+
+    def read(files: list[Path], split_file: str) -> Splits:
+        with zipfile.ZipFile(files[0]) as archive:
+            try:
+                return json.loads(archive.read(member))
+            except KeyError:
+                raise ValueError(f"it holds no {member}") from None
+
+    return read
+
+
+# UC Merced's 21 classes, in the order UCM-captions numbers their photos (1-100 agricultural, ..., 2001-2100 tennis)
+UCM_CLASSES = (
+    *("agricultural", "airplane", "baseballdiamond", "beach", "buildings", "chaparral", "denseresidential", "forest"),
+    *("freeway", "golfcourse", "harbor", "intersection", "mediumresidential", "mobilehomepark", "overpass"),
+    *("parkinglot", "river", "runway", "sparseresidential", "storagetanks", "tenniscourt"),
+)
+
+
+def ucm_number(path: str) -> str | None:
+    """UC Merced's `<class>/<class>NN.tif` under the name UCM-captions gives it: its class's block of 100, NN within
+    it (`agricultural/agricultural00.tif` is `1.tif`, `tenniscourt/tenniscourt99.tif` is `2100.tif`); None for any
+    other file."""
+    match = re.fullmatch(r"([a-z]+)/\1(\d\d)\.tif", path)
+    if match is None or match.group(1) not in UCM_CLASSES:
+        return None
+    return f"{100 * UCM_CLASSES.index(match.group(1)) + int(match.group(2)) + 1}.tif"
+
+
+UCMERCED_NOTE = (
+    "UCM-captions' photos taken from the UC Merced Land Use archive, numbered by class: the captions' release saved "
+    "them again, so a model's scores on these photos may differ slightly from its scores on the release's"
+)
+
+
 KARPATHY_ZIP = Route(("karpathy",), from_karpathy_zip)
 PLANS = {
     "dataset_coco.json": Plan(
         (113_287, 5_000, 5_000),
         (KARPATHY_ZIP, Route(("coco_karpathy_train", "coco_karpathy_val", "coco_karpathy_test"), from_lavis)),
-        (Images("train2014", "train2014"), Images("val2014", "val2014")),
+        tuple(Images(part, (Archive(part, part),)) for part in ("train2014", "val2014")),
         "MS-COCO (Karpathy splits, the usual setting)",
     ),
     "dataset_flickr8k.json": Plan(
         (6_000, 1_000, 1_000),
         (KARPATHY_ZIP, Route(("flickr8k_text",), from_flickr8k_zip)),
-        (Images("flickr8k_images", "Flicker8k_Dataset", is_root=True),),
+        (Images("", (Archive("flickr8k_images", "Flicker8k_Dataset"),)),),
         "Flickr8k",
     ),
     "dataset_flickr30k.json": Plan(
@@ -179,5 +260,27 @@ PLANS = {
         (KARPATHY_ZIP, Route(("flickr30k_train", "flickr30k_val", "flickr30k_test"), from_lavis)),
         (),  # no public source of the images
         "Flickr30k",
+    ),
+    "dataset_ucm.json": Plan(
+        (1_680, 210, 210),
+        (
+            Route(("ucm_split",), from_json),
+            Route(("ucm_repository",), from_zip_member(f"{UCM_ARCHIVE_TOP}/dataset.json")),
+        ),
+        (
+            Images(
+                "",
+                (
+                    Archive(
+                        "ucm_repository",
+                        f"{UCM_ARCHIVE_TOP}/imgs",
+                        digest="70bf3caf4ad6ffde9e4f6176cc77d551016f6fcf32e7670bd962c62137a95d68",
+                    ),
+                    Archive("ucmerced", "UCMerced_LandUse/Images", ucm_number, note=UCMERCED_NOTE),
+                    Archive("ucmerced_mirror", "UCMerced_LandUse/Images", ucm_number, note=UCMERCED_NOTE),
+                ),
+            ),
+        ),
+        "UCM-captions (aerial photos)",
     ),
 }

@@ -340,18 +340,187 @@ def test_extraction_into_an_existing_folder_moves_the_marker_last(tmp_path, monk
     ]
 
 
+# A tiny UCM-captions: its images as the release numbers them (1-100 agricultural, 101-200 airplane, ... 2001-2100
+# tennis courts), 3 / 1 / 1 of them in train / val / test
+UCM = {"1.tif": ("train", "coffee"), "2.tif": ("train", "chelsea"), "101.tif": ("train", "rocket")}
+UCM |= {"102.tif": ("val", "astronaut"), "2100.tif": ("test", "camera")}
+UCMERCED_NAMES = {"1.tif": "agricultural/agricultural00.tif", "2.tif": "agricultural/agricultural01.tif"}
+UCMERCED_NAMES |= {"101.tif": "airplane/airplane00.tif", "102.tif": "airplane/airplane01.tif"}
+UCMERCED_NAMES |= {"2100.tif": "tenniscourt/tenniscourt99.tif"}
+
+
+def tif(photo_name: str, size: int = 48) -> bytes:
+    from tests.images import photo
+
+    buffer = io.BytesIO()
+    photo(photo_name).convert("RGB").resize((size, size)).save(buffer, format="TIFF")
+    return buffer.getvalue()
+
+
+def ucm_split() -> bytes:
+    """The split file as the release has it: Karpathy's format, no filepath, each caption's raw text."""
+    images = [
+        {"filename": n, "imgid": i, "split": s, "sentences": [{"raw": f"a {p} seen from above {k} ."} for k in (1, 2)]}
+        for i, (n, (s, p)) in enumerate(UCM.items())
+    ]
+    return json.dumps({"images": images, "dataset": "ucm"}).encode()
+
+
+@pytest.fixture
+def tiny_ucm(monkeypatch, tmp_path_factory):
+    """The tiny UCM's counts, and the digest of the release's images as the repository archive gives them."""
+    from dataclasses import replace
+
+    from captioner.data.download import images_digest
+    from captioner.data.sources import PLANS
+
+    folder = tmp_path_factory.mktemp("release")
+    for name, (_, photo_name) in UCM.items():
+        (folder / name).write_bytes(tif(photo_name))
+    plan = PLANS["dataset_ucm.json"]
+    (images,) = plan.images
+    release = replace(images.archives[0], digest=images_digest(folder, list(UCM)))
+    images = replace(images, archives=(release, *images.archives[1:]))
+    monkeypatch.setitem(PLANS, "dataset_ucm.json", replace(plan, counts=(3, 1, 1), images=(images,)))
+
+
+def serve_ucm(server, split: bool = True, repository: bool = True, ucmerced: bool = True) -> dict[str, str]:
+    """The tiny UCM's sources: the release's split file (raw), its repository's archive (the split file and imgs/ in
+    GitHub's top folder, with the authors' other files), and UC Merced's archive of class-named photos."""
+    from captioner.data.sources import UCM_ARCHIVE_TOP
+
+    if split:
+        server.files["/raw/dataset.json"] = ucm_split()
+    if repository:
+        files = {f"{UCM_ARCHIVE_TOP}/imgs/{n}": tif(p) for n, (_, p) in UCM.items()}
+        files |= {f"{UCM_ARCHIVE_TOP}/dataset.json": ucm_split(), f"{UCM_ARCHIVE_TOP}/Models/model_499.h5": b"x" * 99}
+        server.files["/codeload/zip"] = zip_of(files)
+    if ucmerced:
+        files = {f"UCMerced_LandUse/Images/{UCMERCED_NAMES[n]}": tif(p) for n, (_, p) in UCM.items()}
+        files["UCMerced_LandUse/Images/beach/beach00.tif"] = tif("coffee")  # a photo the tiny split does not name
+        server.files["/ucmerced/UCMerced_LandUse.zip"] = zip_of(files)
+    return {
+        "ucm_split": url(server, "/raw/dataset.json"),
+        "ucm_repository": url(server, "/codeload/zip"),
+        "ucmerced": url(server, "/ucmerced/UCMerced_LandUse.zip"),
+        "ucmerced_mirror": url(server, "/torchgeo/UCMerced_LandUse.zip"),
+    }
+
+
+def ucm_data(tmp_path, urls):
+    """configs/ucm.yaml's data options, in a fresh folder, with the sources at `urls`."""
+    import yaml
+
+    from captioner.data.datamodules import CocoDataModule
+
+    options = yaml.safe_load((REPO / "configs" / "ucm.yaml").read_text())["data"]["init_args"]
+    options |= {"data_dir": str(tmp_path / "ucm"), "urls": urls, "min_word_count": 1, "num_workers": 0}
+    return CocoDataModule(**options)
+
+
+def test_ucm_comes_from_the_release_s_split_file_then_its_repository_s_photos(server, tmp_path, tiny_ucm):
+    """configs/ucm.yaml on a fresh folder: the split file first (the release's, 2.9 MB), then the repository's archive
+    for its photos, which are checked (every image the split names; their digest) before they take their place. The
+    archive is deleted once extracted; a second run asks for nothing."""
+    urls = serve_ucm(server)
+    data = ucm_data(tmp_path, urls)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [3, 1, 1]
+    assert server.asked == ["/raw/dataset.json", "/codeload/zip"]
+    root = tmp_path / "ucm" / "images"
+    assert sorted(p.name for p in root.iterdir()) == sorted(UCM)  # the photos only, not the authors' other files
+    assert (root / "101.tif").read_bytes() == tif("rocket")
+    assert not (tmp_path / "ucm" / "downloads").exists()
+    ucm_data(tmp_path, urls).split("train")
+    assert len(server.asked) == 2
+
+
+def test_ucm_falls_back_source_by_source_and_never_keeps_a_wrong_file(server, tmp_path, tiny_ucm, caplog):
+    """The release's split file answers with an HTML page (a 200, as a moved link does): refused with one warning,
+    deleted, and the split comes from the repository's archive. That archive's photos are not the release's (their
+    digest): refused, and the photos come from UC Merced's own archive (its 404'ing first address, then the
+    mirror), numbered by class as the captions are, with a warning that says so."""
+    urls = serve_ucm(server)
+    server.files["/raw/dataset.json"] = b"<!DOCTYPE html><html><body>moved</body></html>"
+    archive = zipfile.ZipFile(io.BytesIO(server.files["/codeload/zip"]))
+    files = {name: archive.read(name) for name in archive.namelist()}
+    files[next(n for n in files if n.endswith("imgs/2.tif"))] = tif("astronaut")  # another photo under its name
+    server.files["/codeload/zip"] = zip_of(files)
+    server.files["/torchgeo/UCMerced_LandUse.zip"] = server.files.pop("/ucmerced/UCMerced_LandUse.zip")
+    data = ucm_data(tmp_path, urls)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [3, 1, 1]
+    assert server.asked == [
+        "/raw/dataset.json",
+        "/codeload/zip",
+        "/ucmerced/UCMerced_LandUse.zip",
+        "/torchgeo/UCMerced_LandUse.zip",
+    ]
+    root = tmp_path / "ucm" / "images"
+    assert sorted(p.name for p in root.iterdir()) == sorted(UCM)  # beach00.tif, not named by the split, left out
+    assert all((root / n).read_bytes() == tif(p) for n, (_, p) in UCM.items())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("/raw/dataset.json: the file it gave is an HTML page; it was deleted" in w for w in warnings)
+    assert any("/codeload/zip: its images are not the ones this source is known to give" in w for w in warnings)
+    assert any("/ucmerced/UCMerced_LandUse.zip: HTTP 404" in w for w in warnings)
+    assert any("numbered by class" in w for w in warnings)
+    assert not (tmp_path / "ucm" / "downloads").exists() and not list((tmp_path / "ucm").glob(".*extracting"))
+
+
+def test_when_no_source_gives_ucm_s_photos_one_line_says_what_each_answered_and_where_they_go(
+    server, tmp_path, tiny_ucm
+):
+    """The split file comes, but the repository's archive is cut short (not a zip) and UC Merced's are missing: one
+    error line names each address, what it answered, and where the photos go by hand; no wrong file is kept."""
+    urls = serve_ucm(server, ucmerced=False)
+    server.files["/codeload/zip"] = server.files["/codeload/zip"][:100]
+    data = ucm_data(tmp_path, urls)
+    with pytest.raises(DownloadError) as failed:
+        data.prepare_data()
+    root = tmp_path / "ucm" / "images"
+    assert str(failed.value) == (
+        f"{root}: no source gave its images ({urls['ucm_repository']}: the file it gave is not a zip archive (cut "
+        f"short, or another file); it was deleted; {urls['ucmerced']}: HTTP 404 Not Found; {urls['ucmerced_mirror']}: "
+        f"HTTP 404 Not Found); download them by hand and put them in {root} (data/README.md, 'UCM-captions (aerial "
+        "photos)')"
+    )
+    assert not root.exists() and (tmp_path / "ucm" / "dataset_ucm.json").is_file()  # the next run asks for photos
+    assert [p.name for p in (tmp_path / "ucm" / "downloads").iterdir()] == ["dataset.json"]  # the good file only
+
+
+def test_a_file_that_a_source_once_gave_wrong_is_never_trusted_by_a_later_run(server, tmp_path):
+    """A download left in downloads/ by an earlier run (here an HTML page under a zip's name) is checked before it is
+    used: deleted and downloaded again, not returned as it is."""
+    good = zip_of({"a.txt": b"a"})
+    server.files["/a.zip"] = good
+    target = tmp_path / "downloads" / "a.zip"
+    target.parent.mkdir()
+    target.write_bytes(b"<html><body>Rate limit exceeded</body></html>")
+    assert download(url(server, "/a.zip"), target, timeout=5).read_bytes() == good
+    assert server.asked == ["/a.zip"]
+
+
+def test_a_misspelt_source_name_in_urls_is_refused_in_one_line(tmp_path):
+    from captioner.data.download import prepare
+
+    with pytest.raises(DownloadError, match=r"urls: no source is named ucm_splt; the names are karpathy, "):
+        prepare(tmp_path, "karpathy", 2014, "dataset_ucm.json", "images", {"ucm_splt": "http://127.0.0.1:9/"}, {})
+
+
 @pytest.mark.ci
-@pytest.mark.parametrize("config", ["coco_lite0", "flickr8k"])
+@pytest.mark.parametrize("config", ["coco_lite0", "flickr8k", "ucm"])
 def test_a_shipped_config_fits_on_what_its_sources_give_small_files_first(
-    server, tmp_path, tiny_counts, monkeypatch, capfd, config
+    server, tmp_path, tiny_counts, tiny_ucm, monkeypatch, capfd, config
 ):
     """`captioner fit --config configs/<config>.yaml` on a fresh folder, with a loopback server standing in for the
-    internet: Karpathy's zip answers 404, the split comes from the next source (LAVIS's files; Flickr8k's own text
-    files), and only then are the image archives asked for (the server's log); the fit trains on them."""
+    internet: the first source of the split answers 404 (Karpathy's zip; the UCM release's raw file), the split comes
+    from the next source (LAVIS's files; Flickr8k's own text files; the UCM repository's archive), and only then are
+    the image archives asked for (the server's log); the fit trains on them."""
     from tests.conftest import run_main
 
     server.files.pop("/stanford/caption_datasets.zip", None)
-    if config == "coco_lite0":
+    if config == "ucm":
+        urls = serve_ucm(server, split=False)
+        split_files, archives = ["/raw/dataset.json", "/codeload/zip"], []  # its photos: from the same archive
+    elif config == "coco_lite0":
         urls = serve_coco(server, karpathy_zip=False)
         split_files = [f"/lavis/coco_karpathy_{s}.json" for s in ("train", "val", "test")]
         archives = ["/coco/train2014.zip", "/coco/val2014.zip"]
@@ -372,5 +541,6 @@ def test_a_shipped_config_fits_on_what_its_sources_give_small_files_first(
     data += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.min_word_count=1"]
     ran = run_main(capfd, "fit", "--config", str(REPO / "configs" / f"{config}.yaml"), *sizes, *data)
     assert ran.status == 0, ran.err[-3000:]
-    assert server.asked == ["/stanford/caption_datasets.zip", *split_files, *archives]
+    first = [] if config == "ucm" else ["/stanford/caption_datasets.zip"]
+    assert server.asked == [*first, *split_files, *archives]
     assert (tmp_path / "checkpoints" / config / "last.ckpt").is_file()
