@@ -1,7 +1,7 @@
 """The Python API: load a trained model and caption images.
 
     from captioner import Captioner
-    c = Captioner.load("shapes")                 # the bundled model, or a path to a checkpoint
+    c = Captioner.load("ucm")                    # a bundled model ("ucm", "shapes"), or a path to a checkpoint
     results = c.caption(["a.jpg", pil_image], beam_size=3)
     results[0].text, results[0].tokens, results[0].alphas, results[0].score
 
@@ -49,7 +49,9 @@ class Captioner(Backend):
         device: torch.device | str | None = None,
         compile_decoder: bool = False,
         compile_encoder: bool = False,
+        card: dict | None = None,
     ):
+        self.card = card or {}
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.eval().to(self.device)
         self.model.encoder.fold_batchnorm()
@@ -80,7 +82,7 @@ class Captioner(Backend):
         compile_decoder: bool = False,
         compile_encoder: bool = False,
     ) -> Captioner | onnx.Captioner:
-        """Load a bundled model by name ("shapes"), a file written by `captioner export`, or a `captioner fit`
+        """Load a bundled model by name ("shapes", "ucm"), a file written by `captioner export`, or a `captioner fit`
         checkpoint (.ckpt); or a folder of `captioner export --format onnx`, whose `captioner.onnx.Captioner` (ONNX
         Runtime's, with the same `caption`, `iter_captions`, `image_size` and `grid_hw`) is returned. What the name
         means is decided by `captioner.checkpoints.locate`, for every command and this API alike."""
@@ -97,7 +99,7 @@ class Captioner(Backend):
         path = located.path
         file = model_file(path)
         model = build_model(file, str(path))
-        return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder)
+        return cls(model, Vocabulary(file.vocab), device, compile_decoder, compile_encoder, file.card)
 
     def generate_batch(
         self, images: list[Image.Image], beam_size: int, max_len: int | None, length_penalty: float | None

@@ -49,7 +49,11 @@ class Caption:
 
 
 class Backend(ABC):
-    """A captioner: images in, captions out, in batches, in order, holding one batch in memory."""
+    """A captioner: images in, captions out, in batches, in order, holding one batch in memory. `card` is what a
+    published model says of itself (its data, licence, training command and scores, and a `note` on what it has seen:
+    `captioner.checkpoints.ModelFile.card`); empty for other models."""
+
+    card: dict[str, Any] = {}  # noqa: RUF012  (each captioner sets its own; this one is never changed)
 
     @property
     @abstractmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,7 +32,8 @@ ANNOTATION_FINGERPRINT = "encoder_fingerprint"
 EXPORT_FORMAT = "captioner-model/1"
 ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's state_dict
 ASSETS = Path(__file__).parent / "assets"
-BUNDLED = {"shapes": ASSETS / "shapes.pt"}  # the models that ship with the package, by name
+# The models that ship with the package, by name; each file holds its card (`ModelFile.card`)
+BUNDLED = {"shapes": ASSETS / "shapes.pt", "ucm": ASSETS / "ucm.pt"}
 
 
 EXPORT_CONFIG = "captioner.json"  # what marks a folder of `captioner export --format onnx` (written last)
@@ -50,9 +51,9 @@ class Located:
 def locate(checkpoint: str | Path) -> Located:
     """The one rule for what `--ckpt_path`, `Captioner.load` and `init_from` name, used by every command and the API:
 
-    1. a bundled model's name ("shapes") is that model, unless a model file or ONNX export folder of that name is in
-       the working directory too: then it is refused in one line, for the user to say which (`./shapes` is the
-       path; a path spelled with a folder, absolute or not, is never a bundled name);
+    1. a bundled model's name ("shapes", "ucm") is that model, unless a model file or ONNX export folder of that name
+       is in the working directory too: then it is refused in one line, for the user to say which (`./shapes` is
+       the path; a path spelled with a folder, absolute or not, is never a bundled name);
     2. a folder holding `captioner.json` is an ONNX export; another folder is refused in one line;
     3. anything else is a torch model file (a missing one is said when it is read).
     """
@@ -194,12 +195,15 @@ def _options_encoder(hparams: dict) -> Encoder | None:
 
 @dataclass
 class ModelFile:
-    """What a fit checkpoint or an exported file holds of its model."""
+    """What a fit checkpoint or an exported file holds of its model, and its card: what a published model says of
+    itself (its data and licence, how it was trained, its scores, and a `note` on what it has seen, which the commands
+    print when they use it), empty for others."""
 
     hparams: dict
     vocab: list[str]
     weights: dict[str, torch.Tensor]  # ShowAttendTell's state_dict, maybe without its encoder
     fingerprint: Fingerprint | None  # of the encoder weights it left out, if it did and says so
+    card: dict = field(default_factory=dict)
 
     @property
     def has_encoder(self) -> bool:
@@ -220,7 +224,8 @@ def model_file(path: str | Path, name: str | None = None) -> ModelFile:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no model weights and hyper-parameters)")
     if not vocab:
         raise CaptionerError(f"{name}: not a captioner checkpoint (no vocabulary)")
-    return ModelFile(renamed(dict(hparams)), list(vocab), weights, Fingerprint.read(state))
+    card = state.get("card") if isinstance(state.get("card"), dict) else {}
+    return ModelFile(renamed(dict(hparams)), list(vocab), weights, Fingerprint.read(state), card)
 
 
 # Model options renamed since a model file could have been written: old name -> new. A file's hyper-parameters under
@@ -306,13 +311,22 @@ def _source_encoder(file: ModelFile) -> Encoder | None:
         return None
 
 
-def export(checkpoint: str | Path, output: str | Path, include_encoder: bool = False) -> Path:
+def export(
+    checkpoint: str | Path,
+    output: str | Path,
+    include_encoder: bool = False,
+    float16: bool = False,
+    card: dict | None = None,
+) -> Path:
     """Write a small self-contained model file (what `Captioner.load` reads) from a `captioner fit` checkpoint (or
     another model file, or a bundled model's name).
 
     The encoder's weights are written as the checkpoint holds them: left out where it left them out (they are their
     pretrained source's, `encoder_left_out`: the file is then a few MB, and loading rebuilds them), or kept.
     `include_encoder` writes them in any case: rebuilt from their pretrained source, the only time it is built here.
+    `float16` stores the floating-point weights in half precision (half the file; loading computes in float32 from
+    them, so captions may change where a choice between words was that close). `card` replaces the file's card
+    (`ModelFile.card`), which is kept otherwise.
     """
     file = model_file(resolve(checkpoint), str(checkpoint))
     weights, fingerprint = file.weights, file.fingerprint
@@ -321,8 +335,12 @@ def export(checkpoint: str | Path, output: str | Path, include_encoder: bool = F
         if encoder is None:
             raise CaptionerError(f"{checkpoint}: its encoder's pretrained weights are not on this machine to include")
         weights, fingerprint = with_encoder(weights, encoder, fingerprint, str(checkpoint)), None
+    if float16:
+        weights = {k: v.half() if v.is_floating_point() else v for k, v in weights.items()}
     hparams = {k: v for k, v in file.hparams.items() if isinstance(v, (int, float, str, bool, type(None)))}
     model = {"format": EXPORT_FORMAT, "hparams": hparams, "vocab": file.vocab, "state_dict": weights}
+    if card if card is not None else file.card:
+        model["card"] = card if card is not None else file.card
     if fingerprint is not None and not any(k.startswith(ENCODER) for k in weights):
         fingerprint.write(model)
     output = Path(output)

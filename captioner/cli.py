@@ -5,9 +5,9 @@ serve and demo.
     captioner demo --ckpt_path checkpoints/shapes/best.ckpt
     captioner caption photos/ --beam-size 3 --overlays overlays/
     captioner evaluate --config configs/coco_lite0.yaml --ckpt_path checkpoints/coco_lite0/best.ckpt
-    captioner export --ckpt_path checkpoints/shapes/best.ckpt --output captioner/assets/shapes.pt
+    captioner export --ckpt_path checkpoints/ucm/best.ckpt --output ucm.pt --float16
     captioner export --ckpt_path shapes --format onnx --output shapes_onnx/
-    captioner serve --ckpt_path shapes --port 7860
+    captioner serve --ckpt_path ucm --port 7860
 
 The checkpoint is `--ckpt_path` in every command, as LightningCLI spells it (`--checkpoint` still works where it
 used to). Mistakes in the user's input (a missing config, an unknown backbone, a negative weight) end with one
@@ -32,10 +32,7 @@ from captioner.errors import CaptionerError, ConfigError, install_hint
 if TYPE_CHECKING:
     from captioner.lightning_cli import CaptionerCLI
 
-BUNDLED_NOTE = (
-    "note: no --ckpt_path given: captioning with the bundled model, which was trained on synthetic shapes only and "
-    "describes coloured shapes, not photos"
-)
+DEFAULT_MODEL = "shapes"  # the bundled model that caption and serve use when no --ckpt_path is given
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -59,7 +56,9 @@ def _add_checkpoint(parser: argparse.ArgumentParser, help: str, bundled: bool = 
     """The checkpoint option: `--ckpt_path`, as LightningCLI spells it, or `--checkpoint`, its old spelling here.
     With `bundled`, it may be left out: the bundled model is used, with a note (`_bundled_unless_given`)."""
     if bundled:
-        help += " (default: the bundled model `shapes`, trained on synthetic shapes only)"
+        help += (
+            f" (default: the bundled model `{DEFAULT_MODEL}`, trained on synthetic shapes only; `ucm`: aerial photos)"
+        )
     parser.add_argument(
         "--ckpt_path", "--checkpoint", dest="checkpoint", metavar="PATH", required=not bundled, help=help
     )
@@ -84,11 +83,18 @@ def _decoding(args: argparse.Namespace) -> dict:
     return options if args.length_penalty is None else {**options, "length_penalty": args.length_penalty}
 
 
-def _bundled_unless_given(checkpoint: str | None) -> str:
-    """The checkpoint to load: the one given, or the bundled model, said once on stderr."""
+def load_captioner(checkpoint: str | None):
+    """The captioner of `checkpoint`, or of the default bundled model where none is given; a model whose card says what
+    it has seen (`captioner.checkpoints.ModelFile.card`: the bundled ones) says it once on stderr."""
+    from captioner.api import Captioner
+
+    captioner = Captioner.load(checkpoint or DEFAULT_MODEL)  # an ONNX export folder: ONNX Runtime's
+    note = captioner.card.get("note")
     if checkpoint is None:
-        print(BUNDLED_NOTE, file=sys.stderr)
-    return checkpoint or "shapes"
+        print(f"note: no --ckpt_path given: the bundled model `{DEFAULT_MODEL}`, {note}", file=sys.stderr)
+    elif note:
+        print(f"note: {checkpoint}: {note}", file=sys.stderr)
+    return captioner
 
 
 def _check_config_paths(argv: list[str]) -> None:
@@ -258,12 +264,11 @@ def caption(argv: list[str]) -> int:
         raise ConfigError("--beam-size and --batch-size must be positive")
     from tqdm import tqdm
 
-    from captioner.api import Captioner
     from captioner.data.images import ImageError, find_images
     from captioner.visualize import attention_grid
 
     overlays = _overlay_folder(args.overlays)
-    captioner = Captioner.load(_bundled_unless_given(args.checkpoint))  # an ONNX export folder: ONNX Runtime's
+    captioner = load_captioner(args.checkpoint)
     paths, errors = find_images(args.paths)
     # A bar with an ETA on stderr when it is a terminal, and when there is more than one image; never with --json
     progress = tqdm(total=len(paths), unit="image", disable=True if args.json or len(paths) < 2 else None)
@@ -426,6 +431,17 @@ def export_model(argv: list[str]) -> None:
         "export always holds them)",
     )
     parser.add_argument(
+        "--float16",
+        action="store_true",
+        help="model: store the weights as float16 (half the file; loading computes in float32 from them)",
+    )
+    parser.add_argument(
+        "--card",
+        metavar="JSON",
+        help="model: a JSON file of what the model says of itself (data, licence, training, scores, and a `note` on "
+        "what it has seen, which the commands print); default: the checkpoint's own, if any",
+    )
+    parser.add_argument(
         "--int8",
         choices=("step", "all"),
         help="onnx: weights as int8 (ONNX Runtime's dynamic quantization): the decoder step's, or all (the encoder's "
@@ -434,6 +450,16 @@ def export_model(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.int8 and args.format != "onnx":
         raise ConfigError("--int8 is for --format onnx")
+    if (args.float16 or args.card) and args.format != "model":
+        raise ConfigError("--float16 and --card are for --format model (an ONNX export keeps the model's card)")
+    card = None
+    if args.card:
+        try:
+            card = json.loads(Path(args.card).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{args.card}: not a readable JSON file ({err})") from None
+        if not isinstance(card, dict):
+            raise ConfigError(f"{args.card}: a card is a JSON object")
     if args.format == "onnx":
         from captioner.onnx_export import export_onnx
 
@@ -443,7 +469,7 @@ def export_model(argv: list[str]) -> None:
         return
     from captioner.checkpoints import export
 
-    path = export(args.checkpoint, args.output, include_encoder=args.include_encoder)
+    path = export(args.checkpoint, args.output, args.include_encoder, args.float16, card)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
@@ -482,7 +508,9 @@ def serve(argv: list[str]) -> None:
         from captioner.serve import serve as run
     except ImportError as err:
         raise ConfigError(f"captioner serve needs {err.name}: {install_hint('serve')}") from None
-    run(_bundled_unless_given(args.checkpoint), args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
+    captioner = load_captioner(args.checkpoint)
+    name = args.checkpoint or DEFAULT_MODEL
+    run(captioner, name, args.host, args.port, *limits[:2], int(args.max_pixels), *limits[3:])
 
 
 COMMANDS = {

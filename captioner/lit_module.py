@@ -54,6 +54,11 @@ def check_precision(precision: str) -> None:
         )
 
 
+# A checkpoint's weights: the model's, and, under Lightning's weight averaging (WeightAveraging, EMAWeightAveraging),
+# which puts the averaged weights under "state_dict", the weights being trained
+WEIGHTS = ("state_dict", "current_model_state")
+
+
 class CaptioningModule(L.LightningModule):
     """Trains and evaluates a ShowAttendTell model.
 
@@ -174,20 +179,25 @@ class CaptioningModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Leave out the encoder's weights when they are its pretrained source's, which loading rebuilds bit for bit
-        (`captioner.checkpoints`): they would ride in every checkpoint unchanged. First, the last step's loss is
-        checked: a checkpoint never holds the weights of a step whose loss was not finite."""
+        (`captioner.checkpoints`): they would ride in every checkpoint unchanged. That holds for the weights being
+        trained too, which Lightning's weight averaging (`EMAWeightAveraging`) keeps beside the averaged ones. First,
+        the last step's loss is checked: a checkpoint never holds the weights of a step whose loss was not finite."""
         self.finite_losses.flush()
-        weights, fingerprint = without_encoder(checkpoint["state_dict"], self.model.encoder, prefix="model.")
-        if fingerprint is not None:
-            checkpoint["state_dict"] = weights
-            fingerprint.write(checkpoint)
+        for key in WEIGHTS:
+            if key in checkpoint:
+                weights, fingerprint = without_encoder(checkpoint[key], self.model.encoder, prefix="model.")
+                if fingerprint is not None:
+                    checkpoint[key] = weights
+                    fingerprint.write(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        weights, fingerprint = checkpoint["state_dict"], Fingerprint.read(checkpoint)
+        fingerprint, hparams = Fingerprint.read(checkpoint), checkpoint.get("hyper_parameters")
         trainer = self._attached_trainer()
         name = str(trainer.ckpt_path) if trainer is not None and trainer.ckpt_path else CHECKPOINT
-        hparams = checkpoint.get("hyper_parameters")
-        checkpoint["state_dict"] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.", hparams)
+        for key in WEIGHTS:
+            if key in checkpoint:
+                weights = checkpoint[key]
+                checkpoint[key] = with_encoder(weights, self.model.encoder, fingerprint, name, "model.", hparams)
 
     def setup(self, stage: str) -> None:
         check_precision(self.trainer.precision)  # before Lightning casts the weights

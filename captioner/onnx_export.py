@@ -253,6 +253,7 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
         "opset": OPSET,
         "torch": torch.__version__,
         "int8": int8,  # the quantized graphs' choice, or null
+        "card": file.card,  # what a published model says of itself (`captioner.checkpoints.ModelFile.card`)
     }
     check(model, output, name)
     if int8 is not None:

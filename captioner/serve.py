@@ -303,7 +303,8 @@ def create_app(
 
 
 def serve(
-    checkpoint: str,
+    captioner: Captioner | onnx.Captioner,
+    name: str,
     host: str,
     port: int,
     max_upload_mb: float,
@@ -314,11 +315,10 @@ def serve(
 ) -> None:
     import uvicorn
 
-    captioner = Captioner.load(checkpoint)  # a folder of `captioner export --format onnx`: ONNX Runtime's search
     app = create_app(captioner, max_upload_mb, max_batch, max_pixels, timeout)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {host}: the server has no authentication, anyone who can reach it can use it")
-    print(f"captioner serve: {checkpoint} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
+    print(f"captioner serve: {name} at http://{host}:{port}/ (Ctrl+C stops)", flush=True)
     protocol = type("HeadDeadline", (HeadDeadline,), {"timeout": timeout})
     # A connection opened while `max_connections` others are open gets uvicorn's 503.
     uvicorn.run(app, host=host, port=port, log_level="info", http=protocol, limit_concurrency=max_connections + 1)

@@ -13,8 +13,13 @@ from tests.conftest import run_main, tiny_fit_args
 IMAGE = "docs/images/shapes_test_0.png"
 
 
+# One model of each kind of timm feature extractor (tests/models/test_encoder.py's FAMILIES, docs/usage.md's table)
+BACKBONES = [("convnext_atto", (7, 7)), ("efficientnet_b0", (7, 7)), ("swin_tiny_patch4_window7_224", (7, 7))]
+BACKBONES += [("vit_tiny_patch16_224", (14, 14)), ("deit_tiny_patch16_224", (14, 14))]
+
+
 @pytest.mark.ci  # 15 s each
-@pytest.mark.parametrize(("backbone", "grid"), [("convnext_atto", (7, 7)), ("vit_tiny_patch16_224", (14, 14))])
+@pytest.mark.parametrize(("backbone", "grid"), BACKBONES)
 def test_a_timm_backbone_fits_exports_in_both_formats_and_captions(backbone, grid, tmp_path, capfd):
     args = tiny_fit_args(tmp_path, f"--model.backbone={backbone}", "--model.pretrained=false")
     ran = run_main(capfd, "fit", *args)

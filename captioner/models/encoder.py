@@ -67,7 +67,12 @@ class Backbone:
     features: nn.Module  # (B,3,H,W) -> (B,C,H/32,W/32)
     channels: int
     preprocessing: Preprocessing
-    stages: list[nn.Module]  # from input to output; fine_tune(n) unfreezes the last n
+    stages: list[list[nn.Parameter]]  # each stage's weights, from input to output; fine_tune(n) unfreezes the last n
+
+
+def _weights(*modules: nn.Module) -> list[list[nn.Parameter]]:
+    """Stages given as modules, as their weights."""
+    return [list(module.parameters()) for module in modules]
 
 
 class _ForwardFeatures(nn.Module):
@@ -131,8 +136,8 @@ def _efficientnet_lite(variant: int) -> Callable[[bool, int], Backbone]:
             (info,) = [info for info in model.feature_info if info["reduction"] == 16]
             blocks = model.blocks[: int(info["module"].split(".")[1]) + 1]
             features = nn.Sequential(model.conv_stem, model.bn1, *blocks)
-            return Backbone(features, info["num_chs"], preprocessing, [model.conv_stem, *blocks])
-        stages = [model.conv_stem, *model.blocks, nn.ModuleList([model.conv_head, model.bn2])]
+            return Backbone(features, info["num_chs"], preprocessing, _weights(model.conv_stem, *blocks))
+        stages = _weights(model.conv_stem, *model.blocks, nn.ModuleList([model.conv_head, model.bn2]))
         return Backbone(_ForwardFeatures(model), model.num_features, preprocessing, stages)
 
     return build
@@ -183,7 +188,7 @@ def _resnet(name: str) -> Callable[[bool, int], Backbone]:
             features=nn.Sequential(*list(model.children())[:-last]),
             channels=model.fc.in_features if stride == 32 else model.fc.in_features // 2,
             preprocessing=Preprocessing(224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "bilinear"),
-            stages=stages,
+            stages=_weights(*stages),
         )
 
     return build
@@ -213,14 +218,48 @@ def _is_timm_model(name: str) -> bool:
 
 
 class _LastFeatures(nn.Module):
-    """timm's feature extractor of one level (`features_only`, one `out_indices`): its map (B,C,h,w), not a list."""
+    """timm's feature extractor of one level (`features_only`, one `out_indices`): its map (B,C,h,w), not a list,
+    whatever layout the extractor gives (a Swin's or any hierarchical transformer's is channels-last, (B,h,w,C))."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.channels_last = getattr(model, "output_fmt", "NCHW") == "NHWC"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)[-1]
+        features = self.model(x)[-1]
+        return features.permute(0, 3, 1, 2) if self.channels_last else features
+
+
+def _module_prefix(model: nn.Module, name: str) -> str:
+    """The name under which timm's feature extractor holds the module that feature_info calls `name`: as it is
+    (EfficientNet's `blocks.6`), flattened (a FeatureListNet's `layers_3` for `layers.3`), or in the model a
+    FeatureGetterNet wraps (a ViT's `model.blocks.11`)."""
+    for candidate in (name, name.replace(".", "_"), f"model.{name}"):
+        try:
+            model.get_submodule(candidate)
+            return candidate
+        except AttributeError:
+            continue
+    raise ConfigError(f"timm's feature extractor has no module {name} (its feature_info names it)")
+
+
+def _timm_stages(model: nn.Module, levels: list[dict]) -> list[list[nn.Parameter]]:
+    """The weights of each stage up to the output, cut where timm's feature_info says the levels' modules are
+    (`levels`, from the input to the output level): a stage holds the weights after the previous level's module up to
+    the end of its own (the stem's go with the first). Weights past the output (a later stage, a transformer's final
+    norm) belong to no stage: the output does not depend on them, so fine-tuning leaves them frozen."""
+    named = list(model.named_parameters())
+    ends, end = [], -1
+    for level in levels:
+        prefix = _module_prefix(model, level["module"]) + "."
+        end = max([end, *(i for i, (name, _) in enumerate(named) if name.startswith(prefix))])
+        ends.append(end)
+    stages, start = [], 0
+    for end in ends:
+        stages.append([weight for _, weight in named[start : end + 1]])
+        start = end + 1
+    return [stage for stage in stages if stage]  # a level with no weights of its own (an activation) is no stage
 
 
 def _hub_answers() -> bool:
@@ -228,6 +267,8 @@ def _hub_answers() -> bool:
     retries for most of a minute before it fails."""
     from huggingface_hub import constants
 
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: the user says it does not, and nothing is asked
+        return False
     try:
         with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=5):
             return True
@@ -261,12 +302,6 @@ def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None, 
     input at each call (`_sized`); a convolutional network takes any size as it is."""
     import timm
 
-    levels = timm.create_model(name, pretrained=False, features_only=True).feature_info.get_dicts()
-    at = [level["index"] for level in levels if stride == 32 or level["reduction"] == 16]  # a block's, a stage's
-    if not at:
-        found = ", ".join(f"1/{level['reduction']}" for level in levels)
-        raise ConfigError(f"{name} has no feature map at 1/16 of its input (it has {found})")
-    options = {"features_only": True, "out_indices": (at[-1],)}
     if weights is not None:
         if not pretrained:
             raise ConfigError("backbone_weights are pretrained weights: set pretrained: true with them")
@@ -280,26 +315,32 @@ def _timm(name: str, pretrained: bool, stride: int, weights: str | None = None, 
                 "its cache: give them as a file with --model.backbone_weights FILE (safetensors or a state_dict), "
                 "or set pretrained: false"
             )
-    try:
-        overlay = {"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {}
-        try:  # a model built for one input size takes this one (`_sized`)
-            model = timm.create_model(name, pretrained=pretrained, **options, **overlay, **_sized(size))
-        except TypeError:  # a network that takes any size, and no dynamic_img_size
-            model = timm.create_model(name, pretrained=pretrained, **options, **overlay)
-    except (RuntimeError, KeyError, ValueError, OSError) as err:  # a file of another model's weights, or unreadable
-        where = f"{weights}" if weights is not None else f"{name}'s pretrained weights"
-        reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-        raise WeightsUnavailableError(f"{where}: cannot load them into {name} ({reason})") from None
+
+    def build(level: int) -> nn.Module:
+        try:
+            overlay = {"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {}
+            options = {"features_only": True, "out_indices": (level,), **overlay}
+            try:  # a model built for one input size takes this one (`_sized`)
+                return timm.create_model(name, pretrained=pretrained, **options, **_sized(size))
+            except TypeError:  # a network that takes any size, and no dynamic_img_size
+                return timm.create_model(name, pretrained=pretrained, **options)
+        except (RuntimeError, KeyError, ValueError, OSError) as err:  # a file of another model's weights, or unreadable
+            where = f"{weights}" if weights is not None else f"{name}'s pretrained weights"
+            reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            raise WeightsUnavailableError(f"{where}: cannot load them into {name} ({reason})") from None
+
+    model = build(-1)  # the last level; its feature_info describes every level
+    levels = model.feature_info.info
+    if stride == 16 and levels[-1]["reduction"] != 16:  # the last level at 1/16: built again, up to it
+        at = [i for i, level in enumerate(levels) if level["reduction"] == 16]
+        if not at:
+            found = ", ".join(f"1/{level['reduction']}" for level in levels)
+            raise ConfigError(f"{name} has no feature map at 1/16 of its input (it has {found})")
+        model, levels = build(at[-1]), levels[: at[-1] + 1]
     config = timm.data.resolve_data_config({}, model=model)
     interpolation = config["interpolation"] if config["interpolation"] in ("bilinear", "bicubic") else "bicubic"
     preprocessing = Preprocessing(config["input_size"][-1], tuple(config["mean"]), tuple(config["std"]), interpolation)
-    inner = getattr(model, "model", None)  # a transformer's extractor wraps the model: its blocks are the stages
-    if inner is not None:
-        blocks = model.feature_info.module_name()[-1].rsplit(".", 1)[0]  # "blocks.11" -> "blocks"
-        stages = list(inner.get_submodule(blocks).children())
-    else:  # a convolutional network's: the stem's parts, then its stages
-        stages = list(model.children())
-    return Backbone(_LastFeatures(model), model.feature_info.channels()[-1], preprocessing, stages)
+    return Backbone(_LastFeatures(model), levels[-1]["num_chs"], preprocessing, _timm_stages(model, levels))
 
 
 def fold_batchnorm(module: nn.Module) -> int:
@@ -449,7 +490,8 @@ class Encoder(nn.Module):
             raise ConfigError(f"fine_tune blocks must be >= 0, got {blocks}")
         self.requires_grad_(False)
         for stage in self.stages[len(self.stages) - blocks :] if blocks else []:
-            stage.requires_grad_(True)
+            for weight in stage:
+                weight.requires_grad_(True)
         self.train(self.training)
 
     def train(self, mode: bool = True) -> Encoder:

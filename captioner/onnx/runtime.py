@@ -116,6 +116,7 @@ class Captioner(Backend):
         # where the word graphs' state lives between calls: on the GPU with CUDA's provider
         self.device = "cuda" if self.sessions["beam"].get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.vocab: list[str] = self.config["vocab"]
+        self.card: dict = self.config.get("card", {})
         self.unspaced = set(self.config["unspaced"])
 
     @property

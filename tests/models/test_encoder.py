@@ -206,13 +206,45 @@ def test_any_timm_model_is_a_backbone_through_timm_s_feature_api(backbone, strid
     assert pooled(images).shape == (2, 25, channels)
 
 
-@pytest.mark.parametrize(("backbone", "stages"), [(CONVNEXT, 6), (VIT, 12)])
-def test_fine_tune_blocks_unfreezes_the_last_stages_or_transformer_blocks(backbone, stages):
-    encoder = Encoder(backbone, pretrained=False)
-    assert len(encoder.stages) == stages and encoder.frozen
-    encoder.fine_tune(2)
-    trainable = {id(p) for p in encoder.parameters() if p.requires_grad}
-    assert trainable == {id(p) for stage in encoder.stages[-2:] for p in stage.parameters()} and trainable
+# One timm model of each kind of feature extractor timm builds (docs/usage.md's table), randomly initialised:
+# (model, feature_stride, grid at 224, channels, stages up to the output)
+FAMILIES = {
+    "CNN stages (ConvNeXt)": (CONVNEXT, 32, (7, 7), 320, 4),
+    "EfficientNet-style blocks": ("efficientnet_b0", 32, (7, 7), 320, 5),
+    "EfficientNet-style blocks, 1/16": ("efficientnet_b0", 16, (14, 14), 112, 4),
+    "hierarchical transformer, channels-last maps (Swin)": ("swin_tiny_patch4_window7_224", 32, (7, 7), 768, 4),
+    "plain transformer, patch tokens (DeiT)": ("deit_tiny_patch16_224", 32, (14, 14), 192, 12),
+}
+
+
+@pytest.mark.parametrize(("backbone", "stride", "grid", "channels", "stages"), FAMILIES.values(), ids=FAMILIES)
+def test_each_kind_of_timm_extractor_gives_its_grid_trains_and_fine_tunes_exactly_its_last_stages(
+    backbone, stride, grid, channels, stages
+):
+    """Each kind's grid and channels (a Swin's channels-last maps read as such); a training step of the whole model;
+    and `fine_tune(2)` unfreezes exactly the last two stages up to the output, cut where timm's feature_info puts
+    them, every weight of which gets a gradient (so DDP, which refuses weights that get none, trains it): nothing past
+    the output (a later stage at 1/16, a transformer's unused final norm) and no earlier stage."""
+    from captioner.models.show_attend_tell import ShowAttendTell
+
+    encoder = Encoder(backbone, pretrained=False, feature_stride=stride)
+    assert (encoder.grid_hw, encoder.out_dim, len(encoder.stages)) == (grid, channels, stages) and encoder.frozen
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    annotations = encoder(images)
+    assert annotations.shape == (2, grid[0] * grid[1], channels) and torch.isfinite(annotations).all()
+
+    model = ShowAttendTell(12, backbone, pretrained=False, feature_stride=stride, embed_dim=16, decoder_dim=16)
+    model.encoder.fine_tune(2)
+    model.train()
+    trainable = [p for p in model.encoder.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for stage in model.encoder.stages[-2:] for p in stage}
+    total = sum(p.numel() for p in model.encoder.parameters())
+    assert 0 < sum(p.numel() for p in trainable) < total  # not the whole network
+    captions = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 2, 0]])
+    loss = model(captions, torch.tensor([5, 4]), images=images).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
 
 
 def test_a_timm_backbone_s_weights_come_from_a_local_file(tmp_path):
