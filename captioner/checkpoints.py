@@ -144,10 +144,17 @@ class Fingerprint:
 
 
 def encoder_left_out(encoder: Encoder) -> str | None:
-    """The fingerprint a file records when it leaves out `encoder`'s weights: they are its pretrained source's. None
-    when they are not (fine-tuned, started from another file, or built without a source), and must be written."""
+    """The fingerprint a file records when it leaves out `encoder`'s weights: they are its pretrained source's, which
+    any machine can rebuild (a package's, torchvision's or the hub's). None when they are not (fine-tuned, started
+    from another file, built without a source, or read from a weights file of this machine's, `backbone_weights`),
+    and must be written."""
     source = encoder.source_fingerprint
-    return source if source is not None and encoder.fingerprint() == source else None
+    portable = encoder.weights_file is None  # a weights file's path means nothing on another machine
+    return source if portable and source is not None and encoder.fingerprint() == source else None
+
+
+# What a model is built with when the file holds its encoder's weights: no pretrained weights, from anywhere
+WITHOUT_SOURCE = {"pretrained": False, "backbone_weights": None}
 
 
 def without_encoder(weights: dict, encoder: Encoder, prefix: str = "") -> tuple[dict, Fingerprint | None]:
@@ -252,9 +259,10 @@ def model_options(hparams: dict) -> dict:
 def build_model(file: ModelFile, name: str) -> ShowAttendTell:
     """The model a file describes, with its weights. A file that holds its encoder's weights needs no pretrained
     source; one that left them out has them rebuilt from it, and checked."""
+    options = model_options(file.hparams) | (WITHOUT_SOURCE if file.has_encoder else {"pretrained": True})
     try:
-        model = ShowAttendTell(len(file.vocab), **model_options(file.hparams) | {"pretrained": not file.has_encoder})
-    except WeightsUnavailableError as err:  # a file that left its encoder out, whose source is not on this machine
+        model = ShowAttendTell(len(file.vocab), **options)
+    except (WeightsUnavailableError, ConfigError) as err:  # it left its encoder out, and its source is not here
         backbone = file.hparams.get("backbone", "its backbone")
         raise WeightsUnavailableError(
             f"{name}: it left out its {backbone} encoder, to be rebuilt from the pretrained weights, which are not on "

@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image
 
-from captioner.checkpoints import Fingerprint, read, unpickling_error
+from captioner.checkpoints import WITHOUT_SOURCE, Fingerprint, read, unpickling_error
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import replace_atomically, write_text_atomically
 from captioner.lit_module import CHECKPOINT, CaptioningModule, gather
@@ -303,7 +303,7 @@ def load_module(checkpoint: str) -> CaptioningModule:
     try:
         # A checkpoint that holds its encoder's weights needs no pretrained ones, only to overwrite them; one that left
         # them out has them rebuilt from their source.
-        options = {} if Fingerprint.read(state) is not None else {"pretrained": False}
+        options = {} if Fingerprint.read(state) is not None else WITHOUT_SOURCE
         return CaptioningModule.load_from_checkpoint(checkpoint, map_location="cpu", **options)
     except CaptionerError as err:  # from the module's on_load_checkpoint, which cannot know the file's name
         raise CaptionerError(str(err).replace(CHECKPOINT, checkpoint, 1)) from None

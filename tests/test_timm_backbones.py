@@ -43,3 +43,40 @@ def test_a_timm_backbone_fits_exports_in_both_formats_and_captions(backbone, gri
         ran = run_main(capfd, "caption", IMAGE, "--ckpt_path", str(path), "--overlays", str(overlays))
         assert ran.status == 0 and ran.out.count("\t") == 1, ran.err[-3000:]
     assert len(list(overlays.glob("*.png"))) == 1  # the second wrote over the first: the same name
+
+
+@pytest.mark.ci  # two fits and every kind of load: about a minute
+def test_a_model_trained_on_a_weights_file_loads_where_that_file_is_not(tmp_path, capfd):
+    """`--model.backbone_weights FILE`: a path means nothing on another machine, so every file written keeps the
+    encoder (it cannot be rebuilt elsewhere), and loading asks for no pretrained weights: with the weights file gone,
+    the checkpoint and its export load, caption, export with --include-encoder, and evaluate; fine-tuned too."""
+    import timm
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "machine" / "atto.safetensors"
+    weights.parent.mkdir()
+    save_file(timm.create_model("convnext_atto", pretrained=False).state_dict(), weights)
+    options = ["--model.backbone=convnext_atto", f"--model.backbone_weights={weights}"]
+    for tuned in (0, 1):
+        root = tmp_path / f"tuned{tuned}"
+        ran = run_main(capfd, "fit", *tiny_fit_args(root, *options, f"--model.fine_tune_blocks={tuned}"))
+        assert ran.status == 0, ran.err[-3000:]
+        best = root / "checkpoints" / "best.ckpt"
+        ran = run_main(capfd, "export", "--ckpt_path", str(best), "--output", str(root / "model.pt"))
+        assert ran.status == 0, ran.err[-3000:]
+    weights.unlink()  # another machine
+    images = [ShapesDataset("test", 2, seed=9).load_image(i) for i in range(2)]
+    for tuned in (0, 1):
+        root = tmp_path / f"tuned{tuned}"
+        best, model = root / "checkpoints" / "best.ckpt", root / "model.pt"
+        assert Captioner.load(best).caption(images)[0].tokens == Captioner.load(model).caption(images)[0].tokens
+        ran = run_main(
+            capfd, "export", "--ckpt_path", str(best), "--output", str(root / "full.pt"), "--include-encoder"
+        )
+        assert ran.status == 0, ran.err[-3000:]
+        ran = run_main(capfd, "caption", IMAGE, "--ckpt_path", str(root / "full.pt"))
+        assert ran.status == 0 and ran.out.count("\t") == 1, ran.err[-3000:]
+        ran = run_main(
+            capfd, "evaluate", "--ckpt_path", str(best), "--output", str(root / "evaluation"), "--split", "val"
+        )
+        assert ran.status == 0, ran.err[-3000:]

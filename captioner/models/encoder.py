@@ -435,6 +435,7 @@ class Encoder(nn.Module):
             )
         self.name = backbone
         self.pretrained = pretrained
+        self.weights_file = backbone_weights  # where its pretrained weights were read, if from a file
         self.features = spec.features.to(memory_format=torch.channels_last)  # ~2x faster on CPU, also good on GPU
         self.stages = spec.stages
         self.out_dim = spec.channels
