@@ -22,6 +22,7 @@ import json
 import math
 import pickle
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -350,6 +351,11 @@ def evaluate(argv: list[str]) -> None:
         "captioner's own, which training and validation use and which knows every script",
     )
     args, overrides = parser.parse_known_args(argv)
+    if args.ptb_tokenizer and shutil.which("java") is None:  # before the split is decoded, not after
+        raise ConfigError(
+            "--ptb-tokenizer runs coco-caption's PTB tokenizer, which needs Java: install a JDK (apt-get install "
+            "openjdk-17-jre-headless), or leave --ptb-tokenizer out to score with captioner's own tokenizer"
+        )
 
     import torch
     from tqdm import tqdm

@@ -282,3 +282,17 @@ def test_a_command_destroys_the_process_group_before_it_exits(ends, tmp_path, mo
     finally:
         if dist.is_initialized():  # never leave a group to the tests after this one
             dist.destroy_process_group()
+
+
+def test_ptb_scoring_without_java_is_refused_in_one_line_before_anything_is_decoded(tiny_checkpoint, tmp_path, capfd):
+    """Without Java, `--ptb-tokenizer` stops at once, in one line that says what to do; before, the whole split was
+    decoded first and a RuntimeError traceback ended it."""
+    import shutil as shell
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shell, "which", lambda name, *args, **kwargs: None if name == "java" else "/usr/bin/" + name)
+        ran = run_main(capfd, "evaluate", "--ckpt_path", tiny_checkpoint, "--ptb-tokenizer", "--output", str(tmp_path))
+    assert ran.status == 2 and ran.err.startswith(
+        "error: --ptb-tokenizer runs coco-caption's PTB tokenizer, which needs"
+    )
+    assert "Traceback" not in ran.err and not (tmp_path / "metrics.json").exists()
