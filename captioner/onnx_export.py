@@ -263,7 +263,7 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
 
 
 # What `check` allows between a graph on ONNX Runtime and the model's function (float32 both; measured on the bundled
-# model: scores within 1.2e-5 after a call's 8 words, the other outputs within 1e-5 of their largest value).
+# model: scores within 1.2e-5 after a call's 4 words, the other outputs within 1e-5 of their largest value).
 SCORE_ATOL = 2.5e-4  # a score (a sum of log-probabilities) after a call's words; one logit moved by 1e-3 moves 4e-4
 RELATIVE_ATOL = 1e-4  # every other float output (annotations, state, keys, attention), times its largest value
 NEAR_TIES = 0.1  # the share of images whose words may differ: a near-tie that float rounding resolved otherwise

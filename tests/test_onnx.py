@@ -573,3 +573,33 @@ def test_one_rule_says_what_a_model_name_means_for_every_command_and_the_api(sha
     ], ran.err
     with pytest.raises(CaptionerError, match="an ONNX export folder; this needs a torch model file"):
         export("./shapes", tmp_path / "x.pt")  # `captioner export`'s own: from a torch model only
+
+
+def test_the_host_loop_gives_onnx_runtime_int64_ids_whatever_numpy_s_default_integer():
+    """ONNX Runtime wants int64 token ids. numpy's default integer is 32 bits on Windows before numpy 2, where
+    `np.full(B, start)` gave int32: stood in for here by a start id that is a 32-bit integer."""
+
+    class Recorder:  # the word graphs' stand-in: it records what the first call is given, then ends the search
+        def __init__(self):
+            self.given = {}
+
+        def bind(self, inputs):
+            pass
+
+        def value(self, x):
+            return x
+
+        def __call__(self, state):
+            self.given.update(state)
+            raise StopIteration
+
+    annotations, keys = np.zeros((2, 4, 3), np.float32), np.zeros((2, 4, 5), np.float32)
+    h = c = np.zeros((2, 6), np.float32)
+    for run in (
+        lambda words: search.greedy_search(words, annotations, keys, h, c, start=np.int32(1), n=4),
+        lambda words: search.beam_search(words, annotations, keys, h, c, start=np.int32(1), n=4, vocab_size=9),
+    ):
+        words = Recorder()
+        with pytest.raises(StopIteration):
+            run(words)
+        assert words.given["tokens"].dtype == np.int64 and words.given["lengths"].dtype == np.int64

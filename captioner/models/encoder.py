@@ -123,10 +123,6 @@ def load_efficientnet_lite(variant: int = 0, pretrained: bool = True) -> nn.Modu
     return model
 
 
-def load_efficientnet_lite0(pretrained: bool = True) -> nn.Module:
-    return load_efficientnet_lite(0, pretrained)
-
-
 def _efficientnet_lite(variant: int) -> Callable[[bool, int], Backbone]:
     def build(pretrained: bool, stride: int) -> Backbone:
         model = load_efficientnet_lite(variant, pretrained)
@@ -403,9 +399,10 @@ class Encoder(nn.Module):
             machines without the hub.
         grid_size: adaptive-average-pool the feature map to grid_size x grid_size (None keeps the native grid).
         image_size: input side in pixels (None: the backbone's default, 224).
-        feature_stride: 32, the backbone's last feature map (7x7 at 224 pixels), or 16, its last map at 1/16 of the
-            input (14x14 at 224, the paper's grid): for the ResNets layer3 (1024 channels), for EfficientNet-Lite0
-            its fifth block (112 channels). The layers after it are left out, so it costs less than a 448 input.
+        feature_stride: 32, the backbone's last feature map (a CNN's is 7x7 at 224 pixels; a ViT's, its patch grid),
+            or 16, its last map at 1/16 of the input (14x14 at 224, the paper's grid): for the ResNets layer3 (1024
+            channels), for EfficientNet-Lite0 its fifth block (112 channels). The layers after it are left out, so it
+            costs less than a 448 input.
     """
 
     def __init__(

@@ -78,11 +78,11 @@ def greedy_search(
     if max_len < 1:
         raise SearchError(f"max_len must be >= 1, got {max_len}")
     B, P = annotations.shape[:2]
-    rows = np.arange(B)  # the captions still being written
-    state = {"tokens": np.full(B, start), "h": h, "c": c, "scores": np.zeros(B, np.float32),
+    rows = np.arange(B, dtype=np.int64)  # the captions still being written
+    state = {"tokens": np.full(B, start, np.int64), "h": h, "c": c, "scores": np.zeros(B, np.float32),
              "lengths": np.zeros(B, np.int64), "finished": np.zeros(B, bool)}  # fmt: skip
     state = {name: words.value(x) for name, x in state.items()}
-    ids, alphas = np.full((B, max_len), pad), np.zeros((B, max_len, P), np.float32)
+    ids, alphas = np.full((B, max_len), pad, np.int64), np.zeros((B, max_len, P), np.float32)
     scores, lengths = np.zeros(B, np.float32), np.zeros(B, np.int64)
     t = 0
     while t < max_len:
@@ -126,12 +126,13 @@ def beam_search(
         )
     B, P = annotations.shape[:2]
     first = np.where(np.arange(K) == 0, np.float32(0), np.float32(-np.inf))
-    state = {"tokens": np.full((B, K), start), "h": np.repeat(h[:, None], K, 1), "c": np.repeat(c[:, None], K, 1),
+    state = {"tokens": np.full((B, K), start, np.int64), "h": np.repeat(h[:, None], K, 1),
+             "c": np.repeat(c[:, None], K, 1),
              "scores": np.tile(first, (B, 1)), "lengths": np.zeros((B, K), np.int64),
              "finished": np.zeros((B, K), bool)}  # fmt: skip
     state = {name: words.value(x) for name, x in state.items()}
     words.bind({"length_penalty": np.array(length_penalty, np.float32)})
-    alive = np.arange(B)  # the images still searching
+    alive = np.arange(B, dtype=np.int64)  # the images still searching
     record_ids = np.full((max_len, B, K), pad)  # an image that has left goes on as <pad> rows ...
     record_parents = np.broadcast_to(np.arange(K), (max_len, B, K)).copy()  # ... each its own parent
     record_alphas = np.zeros((max_len, B, K, P), np.float32)

@@ -6,7 +6,7 @@ import torch
 from skimage import data as skdata
 
 from captioner.errors import ConfigError, WeightsUnavailableError
-from captioner.models.encoder import BACKBONES, Encoder, load_efficientnet_lite0
+from captioner.models.encoder import BACKBONES, Encoder, load_efficientnet_lite
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_stride_16_features_are_the_backbones_own_at_that_depth():
     encoder = Encoder("efficientnet_lite0", pretrained=True, feature_stride=16).eval()
     reference = timm.create_model("tf_efficientnet_lite0", features_only=True, out_indices=[3]).eval()
     assert reference.feature_info.reduction() == [16]
-    weights = load_efficientnet_lite0(pretrained=True).state_dict()
+    weights = load_efficientnet_lite(0, pretrained=True).state_dict()
     reference.load_state_dict({k: v for k, v in weights.items() if k in reference.state_dict()}, strict=True)
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_lite_weights_are_really_loaded(variant):
 
 
 def test_encoder_features_match_the_classifier_backbone(lite0):
-    model = load_efficientnet_lite0(pretrained=True).eval()
+    model = load_efficientnet_lite(0, pretrained=True).eval()
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         expected = model.forward_features(x).flatten(2).transpose(1, 2)
