@@ -9,6 +9,7 @@ so that the others wait and then read what it built.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -40,3 +41,15 @@ def build_lock(path: str | Path) -> FileLock:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(path.with_name(f".{path.name}.lock"))
+
+
+def writable(folder: Path) -> bool:
+    """Whether files can be made in `folder`, or, where it is missing, in the nearest folder above it that exists
+    (where it would be made): tried, not judged from permission bits, which root ignores and a read-only mount
+    overrides. Nothing is left behind, and no folder is made: a mistyped path stays missing."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return True
+    except OSError:
+        return False

@@ -200,3 +200,88 @@ def test_a_read_only_dataset_folder_trains_evaluates_and_resumes(tmp_path):
     assert (tmp_path / "evaluation" / "metrics.json").is_file()
     resumed = torch.load(tmp_path / "checkpoints" / "custom" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == 2
+
+
+def _read_only_runner(tmp_path: Path, folder: Path):
+    """Runs `captioner ...` in a process of its own with `folder` read-only: bind-mounted so in a mount namespace of
+    its own as root (root ignores permission bits), its permission bits taken away otherwise. Returns run(args) ->
+    the finished process; `restore()` gives the bits back."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO), "DATA": str(folder)}
+    if os.geteuid() == 0:
+        if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+            pytest.skip("as root, without a mount namespace to bind-mount a folder read-only in")
+        wrap = lambda command: ["unshare", "--mount", "sh", "-c", READ_ONLY, "sh", *command]  # noqa: E731
+    else:
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        wrap = lambda command: command  # noqa: E731
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = wrap([sys.executable, "-m", "captioner.cli", *args])
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    return run
+
+
+@pytest.mark.ci
+def test_a_read_only_folder_every_way_is_used_as_it_is_or_refused_in_one_line(tmp_path):
+    """What a read-only folder meets beyond a complete dataset: (1) its whole caches (splits, vocabulary, feature
+    cache), built once by whoever could write it, are used where they are, not rebuilt in the user's cache; (2) a
+    read-only cache_dir that holds the vocabulary is read, not locked; (3) with download: true and the split file
+    missing, one line says what to do (no PermissionError traceback); (4) a mistyped data_dir is not made."""
+    import os
+    import subprocess
+    import sys
+
+    config = yaml.safe_load((REPO / "configs" / "custom.yaml").read_text())
+    write_for_config(config["data"], tmp_path)
+    data = tmp_path / config["data"]["init_args"]["data_dir"]
+    args, _ = overrides(config)
+    fit = ["fit", "--config", str(REPO / "configs" / "custom.yaml"), *args, "--trainer.max_epochs=1"]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(REPO)}
+    first = subprocess.run([sys.executable, "-m", "captioner.cli", *fit], cwd=tmp_path, env=env, capture_output=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (data / "features").is_dir() and list(data.glob("vocab-*.json")) and (data / "splits").is_dir()
+
+    run = _read_only_runner(tmp_path, data)
+    again = run(*fit, "--checkpoint.dirpath=checkpoints/again")  # (1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"train split: the model reads the feature cache ({config['data']['init_args']['data_dir']}/features/" in (
+        again.stdout + again.stderr
+    )
+    made = [p.name for p in (tmp_path / "xdg").rglob("*")]  # the user's cache: nothing of the data's made again
+    assert not {"features", "splits"} & set(made) and not [name for name in made if name.startswith("vocab-")]
+
+    derived = tmp_path / "derived"  # (2)
+    ran = subprocess.run(
+        [sys.executable, "-m", "captioner.cli", *fit, f"--data.init_args.cache_dir={derived}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    run = _read_only_runner(tmp_path, derived)
+    ran = run(*fit, f"--data.init_args.cache_dir={derived}", "--checkpoint.dirpath=checkpoints/derived")
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+
+    karpathy = yaml.safe_load((REPO / "configs" / "coco_lite0.yaml").read_text())  # (3): download: true
+    assert karpathy["data"]["init_args"]["download"] is True
+    coco = tmp_path / "coco"
+    coco.mkdir()
+    run = _read_only_runner(tmp_path, coco)
+    ran = run("fit", "--config", str(REPO / "configs" / "coco_lite0.yaml"), f"--data.init_args.data_dir={coco}")
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert ran.stderr.strip().splitlines()[-1] == (
+        f"error: {coco}: cannot be written, and files of the dataset are missing there (download: true fetches them "
+        "into it): put them there by hand (data/README.md), or set data_dir to a copy you can write"
+    )
+
+    typo = tmp_path / "data" / "my_phtos"  # (4)
+    ran = subprocess.run(
+        [sys.executable, "-m", "captioner.cli", *fit, f"--data.init_args.data_dir={typo}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines()[-1].startswith("error: "), ran.stderr[-3000:]
+    assert not typo.exists()

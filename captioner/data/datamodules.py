@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from captioner.data.dataset import CaptionDataset, CaptionSource, CaptionTable, collate
-from captioner.data.disk_cache import shared
+from captioner.data.disk_cache import DiskCache, shared
 from captioner.data.features import FeatureCache
 from captioner.data.image_cache import ImageCache
 from captioner.data.inputs import Inputs
@@ -26,21 +26,10 @@ from captioner.data.shapes import ShapesDataset
 from captioner.data.splits import EncodedSplit, SplitFiles, SplitTokens
 from captioner.data.vocab import TOKENIZER_VERSION, Vocabulary, tokenize
 from captioner.errors import ConfigError
-from captioner.files import build_lock
+from captioner.files import build_lock, writable
 from captioner.models.encoder import Encoder
 
 log = logging.getLogger(__name__)
-
-
-def writable(folder: Path) -> bool:
-    """Whether files can be made in `folder` (made first if missing): tried, not judged from permission bits, which
-    root ignores and a read-only mount overrides."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
 
 
 def user_cache() -> Path:
@@ -146,6 +135,13 @@ class CaptionDataModule(L.LightningDataModule):
                 )
         return self._cache
 
+    @property
+    def derived_before(self) -> list[Path]:
+        """Where whole derived files (splits, vocabulary, caches) are looked for before `cache`: the data folder, when
+        what captioner derives goes elsewhere because the data folder cannot be written (a lab's shared copy, whose
+        derived files whoever could write it built once): they are used where they are, not made again."""
+        return [self.data_dir] if self.cache_dir is None and self.cache != self.data_dir else []
+
     def split(self, split: str) -> CaptionSource:
         if split not in self._splits:
             self._splits[split] = self.make_split(split)
@@ -158,9 +154,14 @@ class CaptionDataModule(L.LightningDataModule):
         if self._vocab is None:
             train = self.split("train")
             limits = f"tok{TOKENIZER_VERSION}-min{self.min_word_count}-max{self.max_vocab_size}"
-            path = self.cache / f"vocab-{train.identity}-{limits}.json"
+            name = f"vocab-{train.identity}-{limits}.json"
+            path = self.cache / name
+            made = next((p for p in (*(f / name for f in self.derived_before), path) if p.exists()), None)
+            if made is not None:  # read first, without the lock: a folder that cannot be written is read all the same
+                self._vocab = Vocabulary.load(made)
+                return self._vocab
             with build_lock(path):
-                if path.exists():
+                if path.exists():  # made by another process while this one waited
                     self._vocab = Vocabulary.load(path)
                 else:
                     if isinstance(train, EncodedSplit):  # its word ids counted at once
@@ -209,14 +210,14 @@ class CaptionDataModule(L.LightningDataModule):
         augment = self.augment and split == "train"
         features = images = None
         if self.feature_cache and encoder.frozen and not augment:
-            cache = FeatureCache(self.cache / "features", encoder, source)
+            cache = self._whole(lambda root: FeatureCache(root / "features", encoder, source))
             instead = "the encoder will run at every step instead" + (
                 " (on the image cache)" if self.image_cache else ""
             )
             options = {"batch_size": self.batch_size, "num_workers": self.num_workers, "device": self._device()}
             features = cache if shared(cache, self.trainer, instead, **options) else None
         if features is None and self.image_cache:
-            cache = ImageCache(self.cache / "image_cache", encoder.preprocessing, source)
+            cache = self._whole(lambda root: ImageCache(root / "image_cache", encoder.preprocessing, source))
             instead = "images are read from their files instead"
             images = cache if shared(cache, self.trainer, instead, num_workers=self.num_workers) else None
         # Images leave the loader as uint8, and the encoder normalises them on its device (4x fewer bytes to copy);
@@ -225,6 +226,14 @@ class CaptionDataModule(L.LightningDataModule):
         inputs = Inputs(source, transform, features, images, pin=self._pinned())
         rank_zero_info(f"{split} split: the model reads {inputs.where()}")
         return inputs
+
+    def _whole(self, make: Callable[[Path], DiskCache]) -> DiskCache:
+        """The cache `make(root)` gives: where it is whole under `derived_before`, else under `cache`."""
+        for root in self.derived_before:
+            cache = make(root)
+            if cache.open():
+                return cache
+        return make(self.cache)
 
     def _device(self) -> torch.device:
         """Where the trainer runs (the CPU without one): where the feature cache's build runs the encoder."""
@@ -403,5 +412,5 @@ class CocoDataModule(CaptionDataModule):
         # download here first. It is idempotent, so Lightning's own call later costs nothing.
         if self.download:
             self.prepare_data()
-        self.split_files.cache_dir = self.cache
+        self.split_files.cache_dir, self.split_files.read_before = self.cache, self.derived_before
         return self.split_files.split(split)

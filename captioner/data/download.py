@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from captioner.data.sources import PLANS, SOURCES, Archive, Images, Plan, Route, counts
 from captioner.errors import CaptionerError
-from captioner.files import build_lock, write_text_atomically
+from captioner.files import build_lock, writable, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +254,11 @@ def prepare(
     steps = _steps(folder, format, year, split_file, image_root)
     if all(done() for done, _ in steps):  # nothing to do: a read-only folder is not written to
         return
+    if not writable(folder):  # a shared, read-only copy: nothing can be fetched into it
+        raise DownloadError(
+            f"{folder}: cannot be written, and files of the dataset are missing there (download: true fetches them "
+            "into it): put them there by hand (data/README.md), or set data_dir to a copy you can write"
+        )
     with build_lock(folder):
         downloads = folder / "downloads"
         for done, fetch in steps:

@@ -183,6 +183,7 @@ class SplitFiles:
     test_fraction: float = 0.1
     max_train_caption_len: int = 50
     cache_dir: Path | None = None  # where the splits are kept (under splits/); None: data_dir
+    read_before: list[Path] = field(default_factory=list)  # where kept splits are looked for first (read only)
     _karpathy: dict[str, list] | None = field(default=None, init=False, repr=False)  # every split's, once read
 
     def split(self, split: str) -> EncodedSplit:
@@ -196,9 +197,10 @@ class SplitFiles:
         if path is None:  # the dataset's file is missing: read_split names it
             return EncodedSplit.from_caption_set(self.read_split(split), name)
         existed = path.exists()
-        kept = self._load(path)  # first, without the lock: a folder that cannot be written is read all the same
-        if kept is not None:
-            return kept
+        for kept_at in (*(root / "splits" / path.name for root in self.read_before), path):
+            kept = self._load(kept_at)  # first, without the lock: a folder that cannot be written is read all the same
+            if kept is not None:
+                return kept
         encoded = None
         try:
             with build_lock(path):
