@@ -296,3 +296,20 @@ def test_a_timm_backbone_takes_another_image_size(backbone, grid):
     assert encoder.grid_hw == grid and encoder.preprocessing.size == 256
     assert encoder(torch.randint(0, 256, (1, 3, 256, 256), dtype=torch.uint8)).shape[1] == grid[0] * grid[1]
     encoder.load_state_dict(Encoder(backbone, pretrained=False).state_dict())
+
+
+def test_hf_hub_offline_is_answered_at_once_without_asking_the_hub(monkeypatch):
+    """HF_HUB_OFFLINE=1 (the Hugging Face hub's own setting) says the hub does not answer: it is not asked, and an
+    offline build does not wait up to 5 s for it."""
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    from captioner.models import encoder as module
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(urllib.request, "urlopen", asked)
+    assert module._hub_answers() is False
