@@ -338,3 +338,36 @@ def test_a_file_that_left_out_an_encoder_whose_weights_are_not_here_says_how_to_
         "machine (cannot download resnet50 weights (offline)); where they are, `captioner export --include-encoder` "
         "writes a file that holds them"
     )
+
+
+@pytest.mark.ci  # seven commands: about half a minute
+def test_no_command_reads_a_file_with_weights_only_false(tiny_checkpoint, tiny_model, tmp_path, capfd, monkeypatch):
+    """Every torch.load of every command (fit from a start and resumed, test, evaluate, export in both formats,
+    caption, and loading in Python) reads weights only: none asks for weights_only=False, which unpickles code."""
+    from tests.conftest import run_main
+
+    asked = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    image = tmp_path / "shape.png"
+    ShapesDataset("test", 1).load_image(0).save(image)
+    folder = tmp_path / "run"
+    commands = [
+        ["fit", *tiny_fit_args(folder, f"--model.init_from={tiny_checkpoint}")],
+        ["fit", *tiny_fit_args(folder, "--trainer.max_epochs=2", "--ckpt_path=last")],
+        ["test", *tiny_fit_args(folder, f"--ckpt_path={folder / 'checkpoints' / 'best.ckpt'}")],
+        ["evaluate", "--ckpt_path", tiny_checkpoint, "--output", str(tmp_path / "evaluation"), "--split", "val"],
+        ["export", "--ckpt_path", tiny_checkpoint, "--output", str(tmp_path / "model.pt")],
+        ["caption", str(image), "--ckpt_path", tiny_model],
+        ["caption", str(image), "--ckpt_path", "shapes"],
+    ]
+    for command in commands:
+        ran = run_main(capfd, *command)
+        assert ran.status == 0, (command[0], ran.err[-3000:])
+    Captioner.load(tmp_path / "model.pt")
+    assert asked and False not in asked, asked

@@ -10,6 +10,8 @@ import contextlib
 import hashlib
 import importlib
 import math
+import pickle
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -149,25 +151,47 @@ def _socket_timeout(seconds: float) -> Iterator[None]:
         socket.setdefaulttimeout(previous)
 
 
+def _hash_prefix(url: str) -> str | None:
+    """The start of a file's SHA-256 that torchvision puts in its weights' names (`resnet101-cd907fc2.pth`)."""
+    found = re.search(r"-([a-f0-9]{6,})\.", Path(url).name)
+    return found.group(1) if found else None
+
+
 def _torchvision_state_dict(weights, name: str) -> dict[str, torch.Tensor]:
-    """Load torchvision weights from the torch hub cache, downloading them first if needed.
+    """Load torchvision weights from the torch hub cache, downloading them first if needed, checked against the hash
+    their name gives and read as weights only (torch.load(weights_only=True): no pickled code runs, from a file
+    downloaded now or one already in the cache).
 
     Offline, the download fails within seconds (short socket timeout) with a message that says what to do, instead of
     hanging or printing a urllib traceback.
     """
     cache = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    prefix = _hash_prefix(weights.url)
     if not cache.exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
         try:
             with _socket_timeout(10):
-                torch.hub.download_url_to_file(weights.url, str(cache), progress=True)
+                torch.hub.download_url_to_file(weights.url, str(cache), hash_prefix=prefix, progress=True)
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise WeightsUnavailableError(
                 f"cannot download {name} weights from {weights.url} ({reason}); run once with internet access so "
                 f"they are cached in {cache.parent}, or set `pretrained: false`"
             ) from None
-    return weights.get_state_dict(progress=False, check_hash=True)
+    if prefix is not None:
+        digest = hashlib.sha256()
+        with cache.open("rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+        if not digest.hexdigest().startswith(prefix):
+            raise WeightsUnavailableError(
+                f"{cache}: not {name}'s weights (its SHA-256 does not start with {prefix}); delete it to download them "
+                "again"
+            )
+    try:
+        return torch.load(cache, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise WeightsUnavailableError(f"{cache}: not a weights file ({type(err).__name__})") from None
 
 
 def _resnet(name: str) -> Callable[[bool, int], Backbone]:

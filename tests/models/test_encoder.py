@@ -1,3 +1,4 @@
+import os
 import time
 import urllib.request
 
@@ -131,6 +132,43 @@ def test_missing_torchvision_weights_fail_fast_offline(tmp_path, monkeypatch):
         # one built with these, or a later download in this process (tests/data/test_download.py) goes here too
         urllib.request.install_opener(None)
     assert time.monotonic() - start < 30
+
+
+def test_torchvision_weights_in_the_hub_cache_are_read_as_weights_only_and_checked_by_their_hash(tmp_path, monkeypatch):
+    """A ResNet's weights already in torch's hub cache: read with torch.load(weights_only=True), never torchvision's
+    own reader (which unpickles anything, and checks no hash of a cached file); a file whose SHA-256 is not the one its
+    name gives is refused in one line, and a pickle that would run code is never run."""
+    import hashlib
+
+    import torchvision
+
+    from captioner.models import encoder as module
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    url = torchvision.models.get_model_weights("resnet50").IMAGENET1K_V2.url
+    cache = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[1]
+    cache.parent.mkdir(parents=True)
+    weights = torchvision.models.resnet50().state_dict()
+    torch.save(weights, cache)
+    with pytest.raises(WeightsUnavailableError, match=r"not resnet50's weights \(its SHA-256 does not start with "):
+        Encoder("resnet50", pretrained=True)
+    digest = hashlib.sha256(cache.read_bytes()).hexdigest()
+    monkeypatch.setattr(module, "_hash_prefix", lambda url: digest[:8])  # as if this file were torchvision's
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or real_load(*a, **k))
+    encoder = Encoder("resnet50", pretrained=True)
+    assert loads == [True] and torch.equal(encoder.features[0].weight, weights["conv1.weight"])
+
+    class Payload:  # what a malicious file pickles: torch.load(weights_only=False) would call os.system
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    torch.save({"conv1.weight": Payload()}, cache)
+    digest = hashlib.sha256(cache.read_bytes()).hexdigest()
+    with pytest.raises(WeightsUnavailableError, match="not a weights file"):
+        Encoder("resnet50", pretrained=True)
+    assert not (tmp_path / "ran").exists()
 
 
 def test_training_augmentation_keeps_the_shape_and_varies():
