@@ -20,7 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 from captioner.data.images import load_image
-from captioner.data.sources import TOKENS_8K, flickr8k_splits
+from captioner.data.sources import TOKENS_8K, read_split_file
 from captioner.data.vocab import tokenize, words_and_lost
 from captioner.errors import ConfigError
 
@@ -70,7 +70,7 @@ def read_karpathy_splits(split_file: str | Path, image_root: str | Path) -> dict
         )
     if split_file.name == TOKENS_8K:  # Flickr8k's own text files, the train, dev and test lists beside it
         try:
-            data = flickr8k_splits(lambda name: (split_file.parent / name).read_text(encoding="utf-8"))
+            data = read_split_file(split_file)
         except OSError as err:
             raise ConfigError(f"{err.filename}: {err.strerror} (Flickr8k's lists go beside {TOKENS_8K})") from None
     else:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from captioner.data.sources import PLANS, SOURCES, Archive, Images, Plan, Route, counts
+from captioner.data.sources import PLANS, SOURCES, Archive, Images, Plan, Route, counts, read_split_file
 from captioner.errors import CaptionerError
 from captioner.files import build_lock, writable, write_text_atomically
 
@@ -273,9 +273,9 @@ def _archive(name: str, folder: Path, marker: Path):
 
 
 def split_images(split_file: Path, folder: str) -> list[str]:
-    """The images a Karpathy split file names in one folder under its image root (`filepath`; "": the root), by
-    their names there, in the file's order."""
-    images = json.loads(split_file.read_text(encoding="utf-8"))["images"]
+    """The images a split file names in one folder under its image root (`filepath`; "": the root), by their names
+    there, in the file's order."""
+    images = read_split_file(split_file)["images"]
     return [image["filename"] for image in images if image.get("filepath", "") == folder]
 
 
@@ -366,10 +366,9 @@ def make_split_file(target: Path, plan: Plan, urls: dict, checksums: dict, downl
         write_text_atomically(target, json.dumps(splits))
         log.info("%s: made from %s", target, ", ".join(urls.get(n, SOURCES[n].url) for n in route.sources))
         return
-    raise DownloadError(
-        f"{target}: no source gave it ({'; '.join(tried)}); download it by hand and put it at {target} "
-        f"(data/README.md, '{plan.section}')"
-    )
+    answers = f"no source gave it ({'; '.join(tried)})" if tried else "missing, and it has no source to download"
+    where = f"put it at {target} (data/README.md, '{plan.section}')"
+    raise DownloadError(f"{target}: {answers}; download it by hand and {where}")
 
 
 def _read(route: Route, files: list[Path], split_file: str, url: str) -> dict:

@@ -112,7 +112,9 @@ def from_karpathy_zip(files: list[Path], split_file: str) -> Splits:
 def from_lavis(files: list[Path], split_file: str) -> Splits:
     """BLIP's and LAVIS's files, train, val and test: the train file has one entry per caption ({"image":
     "val2014/COCO_val2014_000000116100.jpg", "caption": str}), val and test one per image with its captions (a list).
-    COCO's image ids are read from the file names."""
+    COCO's image ids are read from the file names. Their Flickr30k names start with the folder of its archive,
+    `flickr30k-images/`, which Karpathy's file does not name: left out, so that the photos are in the image root
+    whichever source gave the split."""
     images: dict[str, dict] = {}
     for path, split in zip(files, ("train", "val", "test"), strict=True):
         for entry in json.loads(path.read_text(encoding="utf-8")):
@@ -120,6 +122,7 @@ def from_lavis(files: list[Path], split_file: str) -> Splits:
             captions = entry["caption"] if isinstance(entry["caption"], list) else [entry["caption"]]
             if name not in images:
                 filepath, _, filename = name.rpartition("/")
+                filepath = "" if "flickr30k" in split_file else filepath
                 cocoid = re.search(r"_(\d+)\.\w+$", filename)
                 cocoid = int(cocoid.group(1)) if cocoid and filename.startswith("COCO_") else None
                 images[name] = _image(filepath, filename, split, len(images), [], cocoid)
@@ -144,6 +147,14 @@ def flickr8k_splits(read: Callable[[str], str]) -> Splits:
         for name in read(listing).split():
             images.append(_image("", name, split, len(images), captions.get(name, []), None))
     return {"images": images, "dataset": "flickr8k"}
+
+
+def read_split_file(path: Path) -> Splits:
+    """A split file on disk, in Karpathy's format: a Karpathy JSON file as it is, or Flickr8k's own text files (its
+    `Flickr8k.token.txt`, the train, dev and test lists beside it)."""
+    if path.name == TOKENS_8K:
+        return flickr8k_splits(lambda name: (path.parent / name).read_text(encoding="utf-8"))
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def from_flickr8k_zip(files: list[Path], split_file: str) -> Splits:
@@ -242,6 +253,7 @@ UCMERCED_NOTE = (
 
 
 KARPATHY_ZIP = Route(("karpathy",), from_karpathy_zip)
+FLICKR8K_IMAGES = (Images("", (Archive("flickr8k_images", "Flicker8k_Dataset"),)),)  # its photos, in the image root
 PLANS = {
     "dataset_coco.json": Plan(
         (113_287, 5_000, 5_000),
@@ -252,9 +264,11 @@ PLANS = {
     "dataset_flickr8k.json": Plan(
         (6_000, 1_000, 1_000),
         (KARPATHY_ZIP, Route(("flickr8k_text",), from_flickr8k_zip)),
-        (Images("", (Archive("flickr8k_images", "Flicker8k_Dataset"),)),),
+        FLICKR8K_IMAGES,
         "Flickr8k",
     ),
+    # Flickr8k's own text files, put in place by hand: only its photos are fetched
+    TOKENS_8K: Plan((6_000, 1_000, 1_000), (), FLICKR8K_IMAGES, "Flickr8k"),
     "dataset_flickr30k.json": Plan(
         (29_000, 1_014, 1_000),
         (KARPATHY_ZIP, Route(("flickr30k_train", "flickr30k_val", "flickr30k_test"), from_lavis)),

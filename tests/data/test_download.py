@@ -544,3 +544,63 @@ def test_a_shipped_config_fits_on_what_its_sources_give_small_files_first(
     first = [] if config == "ucm" else ["/stanford/caption_datasets.zip"]
     assert server.asked == [*first, *split_files, *archives]
     assert (tmp_path / "checkpoints" / config / "last.ckpt").is_file()
+
+
+def test_flickr30k_from_lavis_s_files_finds_its_photos_in_the_documented_folder(server, tmp_path, monkeypatch):
+    """LAVIS names Flickr30k's photos `flickr30k-images/<name>`; Karpathy's file names them without a folder. Either
+    way the photos are in image_root (data/README.md: `image_root=flickr30k-images`), not in
+    flickr30k-images/flickr30k-images/, where every image was looked for ("no usable images")."""
+    from dataclasses import replace
+
+    from captioner.data.datamodules import CocoDataModule
+    from captioner.data.sources import PLANS
+
+    monkeypatch.setitem(PLANS, "dataset_flickr30k.json", replace(PLANS["dataset_flickr30k.json"], counts=(2, 1, 1)))
+    splits = {"train": ["1001.jpg", "1002.jpg"], "val": ["1003.jpg"], "test": ["1004.jpg"]}
+    urls = {"karpathy": url(server, "/stanford/caption_datasets.zip")}
+    for split, names in splits.items():
+        if split == "train":
+            entries = [{"image": f"flickr30k-images/{n}", "caption": caption(n, k)} for n in names for k in (1, 2)]
+        else:
+            entries = [{"image": f"flickr30k-images/{n}", "caption": [caption(n, k) for k in (1, 2)]} for n in names]
+        server.files[f"/lavis/flickr30k_{split}.json"] = json.dumps(entries).encode()
+        urls[f"flickr30k_{split}"] = url(server, f"/lavis/flickr30k_{split}.json")
+    photos = tmp_path / "flickr30k" / "flickr30k-images"  # given by the authors, put in place by hand
+    photos.mkdir(parents=True)
+    for (name, _), which in zip(PHOTOS.items(), ("1001.jpg", "1002.jpg", "1003.jpg", "1004.jpg"), strict=True):
+        (photos / which).write_bytes(jpeg(PHOTOS[name]))
+    options = {"split_file": "dataset_flickr30k.json", "image_root": "flickr30k-images", "min_word_count": 1}
+    data = CocoDataModule(data_dir=str(tmp_path / "flickr30k"), download=True, urls=urls, **options)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("split_file", ["dataset_flickr8k.json", "Flickr8k.token.txt"])
+def test_flickr8k_s_photos_are_fetched_into_the_data_folder_itself_or_beside_its_own_text_files(
+    server, tmp_path, tiny_counts, split_file
+):
+    """`image_root: .` (the photos in the data folder itself, which always exists, so its existence said nothing),
+    and Flickr8k's own text files as the split file (which no plan knew): the photos are fetched all the same, and a
+    second run asks for nothing."""
+    from captioner.data.datamodules import CocoDataModule
+
+    server.files["/8k/Flickr8k_text.zip"] = zip_of(flickr8k_text())
+    server.files["/8k/Flickr8k_Dataset.zip"] = zip_of(
+        {f"Flicker8k_Dataset/{name}": jpeg(photo) for name, photo in PHOTOS.items()}
+    )
+    urls = {
+        "karpathy": url(server, "/stanford/caption_datasets.zip"),
+        "flickr8k_text": url(server, "/8k/Flickr8k_text.zip"),
+    }
+    urls["flickr8k_images"] = url(server, "/8k/Flickr8k_Dataset.zip")
+    root = tmp_path / "flickr8k"
+    if split_file == "Flickr8k.token.txt":  # put in place by hand, as data/README.md allows
+        root.mkdir()
+        for name, content in flickr8k_text().items():
+            (root / name).write_bytes(content)
+    options = {"split_file": split_file, "image_root": ".", "min_word_count": 1}
+    data = CocoDataModule(data_dir=str(root), download=True, urls=urls, **options)
+    assert [len(data.split(s)) for s in ("train", "val", "test")] == [2, 1, 1]
+    assert all((root / name).is_file() for name in FLICKR8K)
+    asked = len(server.asked)
+    CocoDataModule(data_dir=str(root), download=True, urls=urls, **options).prepare_data()
+    assert len(server.asked) == asked
