@@ -492,8 +492,9 @@ print(len(files), changed)
 
 @pytest.mark.ci
 def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shapes_onnx, tmp_path):
-    """deploy/ in a fresh virtual environment: pip installs numpy, Pillow and onnxruntime, never torch, and the
-    README's command captions there. Then the full package joins it, and each is uninstalled in turn, in both orders:
+    """deploy/ as the README ships it, its wheel built in the checkout and installed from another folder (deploy/ links
+    to the package's own files, which a copy of the folder alone would not bring), in a fresh virtual environment:
+    pip installs numpy, Pillow and onnxruntime, never torch, and the README's command captions there. Then the full package joins it, and each is uninstalled in turn, in both orders:
     every file each installed is still there with the bytes it installed (its RECORD's hashes), and the one left
     captions. (At e647ee0 both installed captioner/__init__.py, errors.py, data/images.py and onnx/: the second install
     overwrote the first's, and an uninstall removed the other's.)"""
@@ -526,7 +527,11 @@ def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shap
             ran = subprocess.run([python, "-c", INTACT, name], cwd=tmp_path, capture_output=True, text=True)
             assert ran.returncode == 0 and ran.stdout.split(" ", 1)[1].strip() == "[]", (name, ran.stdout, ran.stderr)
 
-    pip("install", "--quiet", str(source / "deploy"))
+    pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path / "built"), str(source / "deploy"))
+    (wheel,) = (tmp_path / "built").glob("captioner_onnx-*.whl")
+    target = tmp_path / "where it runs"
+    target.mkdir()
+    pip("install", "--quiet", str(shutil.copy(wheel, target)))
     listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True)
     installed = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert "onnxruntime" in installed and not {"torch", "torchvision", "lightning"} & installed, installed

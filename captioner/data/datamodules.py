@@ -154,7 +154,7 @@ class CaptionDataModule(L.LightningDataModule):
         if self._vocab is None:
             train = self.split("train")
             limits = f"tok{TOKENIZER_VERSION}-min{self.min_word_count}-max{self.max_vocab_size}"
-            name = f"vocab-{train.identity}-{limits}.json"
+            name = f"vocab-{getattr(train, 'captions_identity', train.identity)}-{limits}.json"  # shapes: its seed
             path = self.cache / name
             made = next((p for p in (*(f / name for f in self.derived_before), path) if p.exists()), None)
             if made is not None:  # read first, without the lock: a folder that cannot be written is read all the same

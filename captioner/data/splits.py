@@ -55,6 +55,16 @@ class EncodedSplit:
         if len(self.tokens_flat) and int(self.tokens_flat.max()) >= len(self._words):
             raise ValueError("a token beyond its word list")
 
+    @property
+    def captions_identity(self) -> str:
+        """`identity` with a hash of the captions' tokens, which a vocabulary is counted from: `identity` names the
+        images (the caches' key), this their captions too, so that captions edited with the images and their counts
+        unchanged make a new vocabulary."""
+        digest = hashlib.sha256(json.dumps(self._words).encode())
+        for array in (self.tokens_flat, self.caption_lengths, self.counts):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return f"{self.identity}-t{digest.hexdigest()[:10]}"
+
     @classmethod
     def from_caption_set(cls, split: CaptionSet, name: str) -> EncodedSplit:
         captions = [split.tokens(i) for i in range(len(split))]  # each image's captions' tokens

@@ -183,3 +183,22 @@ def test_a_karpathy_split_kept_while_another_cannot_be_written_is_said_by_its_ow
     assert said == [f"{val_path}: cannot be written (Permission denied); it is read when it is used"], said
     assert reads == ["train", "test"] and len(train) > 0  # train read once, and kept; val's lock could not be made
     assert files._split_file("train")[1].exists() and files._split_file("test")[1].exists()
+
+
+def test_captions_edited_with_the_same_images_and_counts_make_a_new_vocabulary_and_keep_the_caches_key(tmp_path):
+    """The vocabulary is counted from the captions: edit one (the same images, the same number of captions each) and
+    a new one is made, with the new word; the split's identity, the feature and image caches' key, names the images
+    and stays."""
+    import json
+
+    write_karpathy(tmp_path)
+    options = {"data_dir": str(tmp_path), "min_word_count": 1}
+    before = CocoDataModule(**options)
+    assert "zebra" not in before.vocab.stoi
+    path = tmp_path / "dataset_coco.json"
+    data = json.loads(path.read_text())
+    data["images"][0]["sentences"][0]["raw"] = "a zebra in a white suit stands before a flag"
+    path.write_text(json.dumps(data))
+    after = CocoDataModule(**options)
+    assert "zebra" in after.vocab.stoi
+    assert after.split("train").identity == before.split("train").identity
