@@ -274,8 +274,8 @@ class CaptionDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=workers,
-            # Workers made anew each epoch get the dataset with that epoch's seed of caption draws (`new_epoch`)
-            persistent_workers=workers > 0 and not dataset.draws_captions,
+            # kept from epoch to epoch: they read each epoch's seed of caption draws from shared memory (`new_epoch`)
+            persistent_workers=workers > 0,
             collate_fn=collate,
             pin_memory=dataset.inputs.pin,
         )

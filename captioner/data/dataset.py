@@ -100,7 +100,9 @@ class CaptionDataset(Dataset):
         self.inputs: Inputs | None = None  # given by the datamodule when its loader is made
         counts = captions.counts.tolist()
         self.items = [(i, j) for i, n in enumerate(counts) for j in range(n)] if mode == "all" else None
-        self.epoch_seed = 0  # the seed of this epoch's caption draws (`new_epoch`)
+        # The seed of this epoch's caption draws (`new_epoch`), in shared memory: persistent worker processes read
+        # each epoch's from it, as the loader's own process writes it
+        self._epoch_seed = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property
     def draws_captions(self) -> bool:
@@ -112,8 +114,14 @@ class CaptionDataset(Dataset):
         from Python's generator (`PrefetchingLoader`). Each image's caption draws are a function of that seed and the
         image alone (`_generator`), not of a shared generator's history: they are the same whichever thread or worker
         makes them, however far it reads ahead, and an epoch cut short (`limit_train_batches`) leaves nothing
-        behind that the next epoch, or a resumed run, would draw differently."""
-        self.epoch_seed = seed
+        behind that the next epoch, or a resumed run, would draw differently. The seed is kept in shared memory, so
+        that worker processes kept from epoch to epoch (`persistent_workers`) read it too: the loader gives them the
+        new epoch's indices only after this call."""
+        self._epoch_seed.fill_(seed)
+
+    @property
+    def epoch_seed(self) -> int:
+        return int(self._epoch_seed)
 
     def _generator(self, image: int) -> random.Random:
         """Image `image`'s generator of this epoch's caption draws."""

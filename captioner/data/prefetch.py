@@ -157,7 +157,7 @@ class PrefetchingLoader(DataLoader):
             previous.close()
         # The seed of this epoch's caption draws, from this thread's generator, before any worker is made
         if getattr(self.dataset, "draws_captions", False):
-            self.dataset.new_epoch(random.getrandbits(64))  # `CaptionDataset.new_epoch`
+            self.dataset.new_epoch(random.getrandbits(63))  # `CaptionDataset.new_epoch`
         iterator = super().__iter__()
         if self.prefetch < 1 or self.num_workers > 0:
             return iterator

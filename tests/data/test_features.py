@@ -502,3 +502,42 @@ def test_a_run_on_the_cpu_pins_nothing_where_cuda_is(tmp_path, encoder, monkeypa
     module.setup("fit")
     loader = module.train_dataloader()
     assert loader.pin_memory is False and loader.dataset.inputs.pin is False
+
+
+@pytest.mark.parametrize("mode", ["random", "grouped"])
+def test_worker_processes_kept_from_epoch_to_epoch_draw_each_epoch_s_captions_as_the_loader_s_own_process(
+    tmp_path, encoder, mode
+):
+    """Where the loader reads images in worker processes and its dataset draws captions, the workers are kept from
+    epoch to epoch (persistent_workers; they were made anew each epoch, to be given the new epoch's seed), and each
+    image's captions in each epoch are what reading in the loader's own process draws for it (the order of the
+    images is the sampler's, which draws differently with workers), also after an epoch cut short."""
+    import random
+
+    def epochs(workers: int) -> list[dict]:
+        options = {"batch_size": 4, "num_workers": workers, "train_captions": mode, "captions_per_image": 2}
+        module = ShapesDataModule(str(tmp_path), 16, 4, 4, feature_cache=False, **options)
+        module.set_encoder(encoder)
+        module.setup("fit")
+        loader = module.train_dataloader()
+        assert loader.num_workers == workers and loader.persistent_workers == (workers > 0)
+        torch.manual_seed(0), random.seed(0)
+        drawn = []  # per epoch: image -> its captions' ids
+        for epoch in range(3):
+            iterator = iter(loader)
+            batches = [next(iterator), next(iterator)] if epoch == 1 else list(iterator)  # the second cut short
+            captions = {}
+            for batch in batches:
+                k = batch.get("captions_per_image", 1)
+                for row, image in enumerate(batch["index"].tolist()):
+                    rows = batch["captions"][row * k : (row + 1) * k]
+                    captions.setdefault(image, []).append([[t for t in c.tolist() if t] for c in rows])
+            drawn.append(captions)
+        return drawn
+
+    plain, kept = epochs(0), epochs(2)
+    for epoch, (want, got) in enumerate(zip(plain, kept, strict=True)):
+        shared = want.keys() & got.keys()  # every image of a whole epoch; those both read of the one cut short
+        assert shared and (epoch == 1 or shared == want.keys() == got.keys())
+        assert all(want[image] == got[image] for image in shared)
+    assert plain[0] != plain[2]  # each epoch draws anew
