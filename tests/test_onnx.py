@@ -494,10 +494,9 @@ print(len(files), changed)
 def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shapes_onnx, tmp_path):
     """deploy/ as the README ships it, its wheel built in the checkout and installed from another folder (deploy/ links
     to the package's own files, which a copy of the folder alone would not bring), in a fresh virtual environment:
-    pip installs numpy, Pillow and onnxruntime, never torch, and the README's command captions there. Then the full package joins it, and each is uninstalled in turn, in both orders:
-    every file each installed is still there with the bytes it installed (its RECORD's hashes), and the one left
-    captions. (At e647ee0 both installed captioner/__init__.py, errors.py, data/images.py and onnx/: the second install
-    overwrote the first's, and an uninstall removed the other's.)"""
+    pip installs numpy, Pillow and onnxruntime, never torch, and the README's command captions there. Then the full
+    package joins it, and each is uninstalled in turn, in both orders: every file each installed is still there with
+    the bytes it installed (its RECORD's hashes), and the one left captions (the two packages share no file)."""
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     python = env / "bin" / "python"
