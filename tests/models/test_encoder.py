@@ -142,7 +142,7 @@ def test_torchvision_weights_in_the_hub_cache_are_read_as_weights_only_and_check
 
     import torchvision
 
-    from captioner.models import encoder as module
+    from captioner.models import backbones as module
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     url = torchvision.models.get_model_weights("resnet50").IMAGENET1K_V2.url
@@ -309,7 +309,7 @@ def test_a_timm_backbone_s_weights_come_from_a_local_file(tmp_path):
 def test_offline_a_timm_backbone_without_a_weights_file_is_one_line_naming_both_ways(monkeypatch):
     """No hub and nothing in its cache: one line at once that names the hub and `backbone_weights`, not timm's
     minute of retries and its traceback."""
-    from captioner.models import encoder as module
+    from captioner.models import timm_backbones as module
 
     monkeypatch.setattr(module, "_hub_answers", lambda: False)
     start = time.monotonic()
@@ -343,7 +343,7 @@ def test_hf_hub_offline_is_answered_at_once_without_asking_the_hub(monkeypatch):
 
     from huggingface_hub import constants
 
-    from captioner.models import encoder as module
+    from captioner.models import timm_backbones as module
 
     def asked(*args, **kwargs):
         raise AssertionError("the hub was asked")
