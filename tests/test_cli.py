@@ -217,12 +217,12 @@ def test_the_command_line_passes_a_length_penalty_only_when_given():
     """Its default is defined once, in captioner.models.decoding, which `captioner --help` does not import."""
     import argparse
 
-    from captioner import cli
+    from captioner import commands
 
     parser = argparse.ArgumentParser()
-    cli._add_decoding(parser)  # caption's and evaluate's search options, handed on by cli._decoding
-    assert cli._decoding(parser.parse_args([])) == {"beam_size": 3, "max_len": 30}
-    assert cli._decoding(parser.parse_args(["--length-penalty", "0"])) == {"beam_size": 3, "max_len": 30,
+    commands._add_decoding(parser)  # caption's and evaluate's search options, handed on by commands._decoding
+    assert commands._decoding(parser.parse_args([])) == {"beam_size": 3, "max_len": 30}
+    assert commands._decoding(parser.parse_args(["--length-penalty", "0"])) == {"beam_size": 3, "max_len": 30,
                                                                            "length_penalty": 0.0}  # fmt: skip
 
 

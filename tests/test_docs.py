@@ -16,13 +16,14 @@ import pytest
 import yaml
 
 from captioner import cli
+from captioner import commands as own_commands
 from captioner.checkpoints import RENAMED
 from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LIGHTNING = ("fit", "validate", "test", "predict")
-OURS = {"caption": cli.caption, "evaluate": cli.evaluate, "export": cli.export_model, "serve": cli.serve}
-OURS["demo"] = cli.demo
+OURS = {"caption": own_commands.caption, "evaluate": own_commands.evaluate, "export": own_commands.export_model}
+OURS |= {"serve": own_commands.serve, "demo": own_commands.demo}
 REPOSITORY_PATHS = ("configs/", "docs/", "notebooks/", "benchmarks/", "captioner/", "deploy/", "tests/", "data/README")
 
 
@@ -61,8 +62,8 @@ class _Parsed(Exception):
 
 
 def parser_of(command: str, monkeypatch):
-    """The argparse parser of one of captioner's own commands, as the command builds it (`cli._parser`)."""
-    build = cli._parser
+    """The argparse parser of one of captioner's own commands, as it builds it (`captioner.commands._parser`)."""
+    build = own_commands._parser
 
     def capturing(function, **kwargs):
         parser = build(function, **kwargs)
@@ -73,7 +74,7 @@ def parser_of(command: str, monkeypatch):
         parser.parse_args = parser.parse_known_args = parsed
         return parser
 
-    monkeypatch.setattr(cli, "_parser", capturing)
+    monkeypatch.setattr(own_commands, "_parser", capturing)
     with pytest.raises(_Parsed) as stopped:
         OURS[command]([])
     return stopped.value.parser
