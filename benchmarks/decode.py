@@ -51,7 +51,8 @@ from common import (
     tutorial_beam_search,
 )
 
-from captioner.models.decoding import beam_search, greedy_search
+from captioner.models.beam_search import beam_search
+from captioner.models.decoding import greedy_search
 
 MAX_LEN = 16
 TABLES = ("default", "sync_free", "compiled", "random_compiled", "tutorial")

@@ -8,8 +8,9 @@ The folder holds:
   once per batch (`AttentionDecoder.init_state`, `prepare`);
 - `greedy.onnx` and `beam.onnx`: `WORDS` (4) words of the greedy and the beam search, every image (and hypothesis) at
   once, their state in and out (`GreedyWordsGraph`, `BeamWordsGraph`): the torch searches' own word functions
-  (`captioner.models.decoding._greedy_words`, `_beam_words`, which a compiled decoder compiles), so that the top-k,
-  the length penalty, the reorder by parent and the choice of each image's winner are written once, there;
+  (`captioner.models.decoding._greedy_words`, `captioner.models.beam_search._beam_words`, which a compiled decoder
+  compiles), so that the top-k, the length penalty, the reorder by parent and the choice of each image's winner are
+  written once, there;
   `captioner.onnx.search` only loops over them;
 - `captioner.json`: the vocabulary, the special tokens, the input size and resampling filter, the grid, and the
   search's defaults (the length penalty, the longest caption).
@@ -40,7 +41,8 @@ from captioner.checkpoints import build_model, model_file, resolve
 from captioner.data.vocab import _patterns
 from captioner.errors import CaptionerError, ConfigError, check_choice, install_hint
 from captioner.files import write_text_atomically
-from captioner.models.decoding import LENGTH_PENALTY, _beam_words, _greedy_words, finished_extension
+from captioner.models.beam_search import _beam_words, finished_extension
+from captioner.models.decoding import LENGTH_PENALTY, _greedy_words
 from captioner.models.show_attend_tell import ShowAttendTell
 
 OPSET = 18
@@ -109,7 +111,7 @@ class GreedyWordsGraph(nn.Module):
 
 
 class BeamWordsGraph(nn.Module):
-    """`words` words of the beam search, every image's K hypotheses at once (`captioner.models.decoding._beam_words`,
+    """`words` words of the beam search, every image's K hypotheses at once (`captioner.models.beam_search._beam_words`,
     the function a compiled decoder compiles: the top-k, the length penalty, the reorder by parent): the search's
     state (each hypothesis's last word (A,K), h, c (A,K,D), score, length and finished flag (A,K)), the annotations
     and keys (one row per image) and the length penalty -> the state after the words, per word each hypothesis's

@@ -9,7 +9,8 @@ import torch
 
 from captioner import Captioner
 from captioner.data.shapes import ShapesDataset
-from captioner.models.decoding import beam_search, greedy_search
+from captioner.models.beam_search import beam_search
+from captioner.models.decoding import greedy_search
 from tests.cuda_graphs import cuda_graph_stand_in
 from tests.helpers import SPECIAL, logged, random_decoder
 

@@ -29,7 +29,8 @@ from captioner.checkpoints import export
 from captioner.data.images import load_image
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import CaptionerError, ConfigError
-from captioner.models.decoding import beam_search, greedy_search
+from captioner.models.beam_search import beam_search
+from captioner.models.decoding import greedy_search
 from captioner.onnx import Captioner, search
 from captioner.onnx.resize import resize
 from captioner.onnx_export import INPUTS, OUTPUTS, WORDS, BeamWordsGraph, GreedyWordsGraph

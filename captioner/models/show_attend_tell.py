@@ -11,16 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.errors import ConfigError
+from captioner.models.beam_search import beam_search
 from captioner.models.compiling import compile_function
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import (
-    LENGTH_PENALTY,
-    Generation,
-    Samples,
-    beam_search,
-    greedy_search,
-    sample_captions,
-)
+from captioner.models.decoding import LENGTH_PENALTY, Generation, Samples, greedy_search, sample_captions
 from captioner.models.encoder import Encoder
 
 

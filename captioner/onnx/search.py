@@ -1,7 +1,8 @@
 """The searches' host loop on ONNX Runtime. Every choice is inside the exported graphs
 (`captioner.onnx_export.GreedyWordsGraph`, `BeamWordsGraph`): the torch searches' own word functions
-(`captioner.models.decoding._greedy_words`, `_beam_words`), `words` words a call, with the top-k, the length
-penalty, the reorder by parent and each image's winner (the best finished hypothesis, else the best unfinished one).
+(`captioner.models.decoding._greedy_words`, `captioner.models.beam_search._beam_words`), `words` words a call, with
+the top-k, the length penalty, the reorder by parent and each image's winner (the best finished hypothesis, else the
+best unfinished one).
 What the host does, and why it cannot be a graph:
 - it stops: whether every image has finished is read once a call, and a graph cannot end a loop it does not hold;
 - it lets images that have finished leave the batch (a gather of their rows), so the graphs' work shrinks as the
@@ -120,7 +121,7 @@ def beam_search(
     K = beam_size
     if K < 1 or max_len < 1:
         raise SearchError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
-    if vocab_size - 2 < K:  # never <pad> or <start> (`captioner.models.decoding.check_beam_size`)
+    if vocab_size - 2 < K:  # never <pad> or <start> (`captioner.models.beam_search.check_beam_size`)
         raise SearchError(
             f"beam size {K} is larger than the {vocab_size - 2} words this vocabulary can generate (of {vocab_size})"
         )

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.decoding import CHECK_EVERY, beam_search, greedy_search
+from captioner.models.beam_search import beam_search
+from captioner.models.decoding import CHECK_EVERY, greedy_search
 from tests.helpers import END, PAD, SPECIAL, START, A, B, C, TableDecoder, random_decoder
 
 # Greedy takes A (0.55) and then can only end with 0.34: p = 0.187.

@@ -5,7 +5,8 @@ which sees every op that would make a CUDA host wait (tests/host_syncs.py); a sy
 import pytest
 import torch
 
-from captioner.models.decoding import CHECK_EVERY, beam_search, greedy_search
+from captioner.models.beam_search import beam_search
+from captioner.models.decoding import CHECK_EVERY, greedy_search
 from captioner.models.show_attend_tell import pad_to_bucket
 from tests.helpers import END, SPECIAL, TableDecoder, caption_batch, small_model
 from tests.host_syncs import HostSyncs
