@@ -24,6 +24,7 @@ from captioner.files import replace_atomically
 from captioner.models.decoder import AttentionDecoder
 from captioner.models.encoder import Encoder
 from captioner.models.show_attend_tell import ShowAttendTell
+from captioner.onnx.layout import CONFIG
 
 FINGERPRINT = "encoder_weights"  # in a file that leaves out its encoder: the fingerprint of the weights left out
 # What files written before FINGERPRINT recorded instead: the encoder's annotation_fingerprint (weights, preprocessing
@@ -34,9 +35,6 @@ ENCODER = "encoder."  # the encoder's weights' prefix in a ShowAttendTell's stat
 ASSETS = Path(__file__).parent / "assets"
 # The models that ship with the package, by name; each file holds its card (`ModelFile.card`)
 BUNDLED = {"shapes": ASSETS / "shapes.pt", "ucm": ASSETS / "ucm.pt"}
-
-
-EXPORT_CONFIG = "captioner.json"  # what marks a folder of `captioner export --format onnx` (written last)
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ def locate(checkpoint: str | Path) -> Located:
     3. anything else is a torch model file (a missing one is said when it is read).
     """
     name, path = str(checkpoint), Path(checkpoint)
-    model_here = path.is_file() or (path / EXPORT_CONFIG).is_file()
+    model_here = path.is_file() or (path / CONFIG).is_file()
     if name in BUNDLED:
         if model_here:
             raise CaptionerError(
@@ -69,9 +67,9 @@ def locate(checkpoint: str | Path) -> Located:
             raise CaptionerError(f"the bundled {name!r} model is missing at {BUNDLED[name]}; see README, 'Caption'")
         return Located(BUNDLED[name])
     if path.is_dir():
-        if not (path / EXPORT_CONFIG).is_file():
+        if not (path / CONFIG).is_file():
             raise CaptionerError(
-                f"{path}: a folder without {EXPORT_CONFIG}, so not a model that `captioner export --format onnx` wrote"
+                f"{path}: a folder without {CONFIG}, so not a model that `captioner export --format onnx` wrote"
             )
         return Located(path, onnx=True)
     return Located(path)

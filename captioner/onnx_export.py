@@ -44,29 +44,14 @@ from captioner.files import write_text_atomically
 from captioner.models.beam_search import _beam_words, finished_extension
 from captioner.models.decoding import LENGTH_PENALTY, _greedy_words
 from captioner.models.show_attend_tell import ShowAttendTell
+from captioner.onnx.layout import CONFIG, FORMAT, GRAPHS, INPUTS, OUTPUTS, STATE
 
 OPSET = 18
-FORMAT = 2  # captioner.json's layout; captioner.onnx reads this one (1: a step graph, searched in numpy)
 # The words a search's graph runs a call: the host reads whether every caption has ended once a call, and up to
 # WORDS - 1 words run after the last one has. Chosen by measurement on 2 CPU cores, beam 3 (docs/benchmarks.md): 4
 # words a call searched the UCM model's 64 images in 244 ms, against 272 ms for 2 and for 8 (a compiled decoder's
 # CHECK_EVERY, made for GPUs, where each read makes the device wait) and 462 ms for 16.
 WORDS = 4
-GRAPHS = ("encoder", "start", "greedy", "beam")
-STATE = ("tokens", "h", "c", "scores", "lengths", "finished")  # a word graph's state, in and out (+ "_out")
-INPUTS = {
-    "encoder": ["images"],
-    "start": ["annotations"],
-    "greedy": [*STATE, "annotations", "keys"],
-    "beam": [*STATE, "annotations", "keys", "length_penalty"],
-}
-OUTPUTS = {
-    "encoder": ["annotations"],
-    "start": ["h", "c", "keys"],
-    "greedy": [*(name + "_out" for name in STATE), "words", "alphas", "word_scores", "word_lengths"],
-    "beam": [*(name + "_out" for name in STATE), "parents", "words", "alphas", "winner", "winner_score",
-             "winner_length"],
-}  # fmt: skip
 
 
 class EncoderGraph(nn.Module):
@@ -194,7 +179,7 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
     output.mkdir(parents=True, exist_ok=True)
     # captioner.json, written last, marks the folder complete: a kill mid-export leaves no folder that loads with
     # some graphs of another model
-    (output / "captioner.json").unlink(missing_ok=True)
+    (output / CONFIG).unlink(missing_ok=True)
     S = model.encoder.preprocessing.size
     B, K, P = torch.export.Dim("images", min=1), torch.export.Dim("beam", min=1), torch.export.Dim("cells", min=1)
     cells = None if model.decoder.position is not None else P  # a position embedding fixes the grid
@@ -260,7 +245,7 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
     check(model, output, name)
     if int8 is not None:
         quantize(output, INT8[int8])
-    write_text_atomically(output / "captioner.json", json.dumps(config, indent=1, ensure_ascii=False))
+    write_text_atomically(output / CONFIG, json.dumps(config, indent=1, ensure_ascii=False))
     return output
 
 

@@ -318,7 +318,7 @@ def test_a_file_that_left_out_an_encoder_whose_weights_are_not_here_says_how_to_
     """An exported ResNet model leaves out its pretrained encoder, which loading rebuilds from torchvision's weights:
     where they cannot be had (offline, none cached), one line names the file and `--include-encoder`, not "set
     pretrained: false", which was said at e647ee0 and cannot apply to a file."""
-    import captioner.models.encoder as encoder_module
+    import captioner.models.backbones as encoder_module
     from captioner.errors import WeightsUnavailableError
 
     def unavailable(weights, name):

@@ -37,7 +37,8 @@ def user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "captioner"
 
 
-def _digest(folder: Path) -> str:
+def _path_digest(folder: Path) -> str:
+    """A short hash of a folder's absolute path: its cache folder's name in the user's cache."""
     return hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
 
 
@@ -128,7 +129,7 @@ class CaptionDataModule(L.LightningDataModule):
         if self._cache is None:
             self._cache = self.cache_dir or self.data_dir
             if self.cache_dir is None and not writable(self.data_dir):
-                self._cache = user_cache() / f"{self.data_dir.resolve().name}-{_digest(self.data_dir)}"
+                self._cache = user_cache() / f"{self.data_dir.resolve().name}-{_path_digest(self.data_dir)}"
                 rank_zero_info(
                     f"{self.data_dir}: cannot be written; what captioner derives from it (splits, vocabulary, caches) "
                     f"goes to {self._cache} (--data.init_args.cache_dir chooses another folder)"

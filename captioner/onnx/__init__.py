@@ -7,6 +7,14 @@ Pillow (`Captioner`). Importing this package imports no torch (tests/test_onnx.p
     results[0].text, results[0].score, results[0].alphas, results[0].grid_hw
 """
 
-from .runtime import Captioner, CaptionResult, is_export
-
 __all__ = ["CaptionResult", "Captioner", "is_export"]
+
+
+def __getattr__(name: str):
+    """The runtime's names, imported when first asked for: `captioner.onnx.layout` alone imports no ONNX Runtime (the
+    full package's model-file rules read it without the onnx extra)."""
+    if name in __all__:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,13 +20,12 @@ from PIL import Image
 # Relative imports: the same files are `captioner.onnx` in the full package and `captioner_onnx.onnx` in deploy/
 from ..captioning import Backend, Caption, CaptionResult
 from ..errors import CaptionerError
+from .layout import CONFIG, FORMAT, GRAPHS
 from .resize import resize
-from .search import Generation, SearchError, Words, beam_search, greedy_search
+from .search import SearchError, SearchOutput, Words, beam_search, greedy_search
 
 __all__ = ["CaptionResult", "Captioner", "is_export", "providers", "session"]
 
-FORMAT = 2  # the captioner.json layout read here (captioner.onnx_export.FORMAT)
-GRAPHS = ("encoder", "start", "greedy", "beam")
 RESIZES = ("pillow", "exact")  # Pillow's resampling, or torchvision's pixels to the bit (`captioner.onnx.resize`)
 RESAMPLING = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
@@ -63,7 +62,7 @@ def session(
 
 def is_export(folder: str | Path) -> bool:
     """Whether `folder` is what `captioner export --format onnx` writes (it holds captioner.json)."""
-    return (Path(folder) / "captioner.json").is_file()
+    return (Path(folder) / CONFIG).is_file()
 
 
 class Captioner(Backend):
@@ -91,7 +90,7 @@ class Captioner(Backend):
             raise CaptionerError(f"resize={resize!r}: one of {', '.join(RESIZES)}")
         self.folder, self.resize = Path(folder), resize
         try:
-            self.config = json.loads((self.folder / "captioner.json").read_text(encoding="utf-8"))
+            self.config = json.loads((self.folder / CONFIG).read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             reason = "no captioner.json (write one with `captioner export --format onnx`)"
             if not isinstance(err, FileNotFoundError):
@@ -150,7 +149,7 @@ class Captioner(Backend):
         beam_size: int = 3,
         max_len: int | None = None,
         length_penalty: float | None = None,
-    ) -> Generation:
+    ) -> SearchOutput:
         """Annotations (B,P,E) -> each image's word ids, score and per-word attention (`captioner.onnx.search`):
         greedy when beam_size is 1, else beam search."""
         config = self.config

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-STATE = ("tokens", "h", "c", "scores", "lengths", "finished")  # a word graph's state: inputs, and outputs + "_out"
+from .layout import STATE
 
 
 class SearchError(ValueError):
@@ -29,7 +29,7 @@ class SearchError(ValueError):
 
 
 @dataclass
-class Generation:
+class SearchOutput:
     """Each image's caption: its word ids (<end> included when it ended), its score (the sum of its words'
     log-probabilities) and each word's attention (len(ids), P), float32."""
 
@@ -73,7 +73,7 @@ class Words:
 def greedy_search(
     words: Words, annotations: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, start: int, n: int,
     pad: int = 0, max_len: int = 30,
-) -> Generation:  # fmt: skip
+) -> SearchOutput:  # fmt: skip
     """The most probable word at each step, `n` words a call, until every caption has ended or has `max_len` words;
     a caption that has ended leaves the batch at the end of its call."""
     if max_len < 1:
@@ -102,7 +102,7 @@ def greedy_search(
             rows, annotations, keys = rows[keep], annotations[keep], keys[keep]
             words.bind({"annotations": annotations, "keys": keys})
         state = words.next_state(out, keep)
-    return Generation(
+    return SearchOutput(
         [ids[b, : lengths[b]].tolist() for b in range(B)],
         [float(s) for s in scores],
         [alphas[b, : lengths[b]] for b in range(B)],
@@ -112,7 +112,7 @@ def greedy_search(
 def beam_search(
     words: Words, annotations: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, start: int, n: int,
     vocab_size: int, pad: int = 0, beam_size: int = 3, max_len: int = 30, length_penalty: float = 1.0,
-) -> Generation:  # fmt: skip
+) -> SearchOutput:  # fmt: skip
     """Beam search over all images and beams at once, `n` words a call, until each image's K hypotheses have all
     finished or have `max_len` words. Before the first word each image has one hypothesis, <start>: it is the first
     of K whose other K - 1 score -inf, so no word extends them. An image whose K hypotheses have finished leaves the
@@ -164,7 +164,7 @@ def beam_search(
     for step in reversed(range(t)):  # follow the back-pointers from the last word to the first
         ids[:, step], alphas[:, step] = record_ids[step, images, k], record_alphas[step, images, k]
         k = record_parents[step, images, k]
-    return Generation(
+    return SearchOutput(
         [ids[b, : lengths[b]].tolist() for b in range(B)],
         [float(s) for s in scores],
         [alphas[b, : lengths[b]] for b in range(B)],
