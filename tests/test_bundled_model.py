@@ -1,5 +1,5 @@
-"""The bundled model (`Captioner.load("shapes")`), judged as issue #37 asks: on held-out images of its own split,
-where it looks and what it says, and on single shapes drawn plainly by code apart from the generator."""
+"""The bundled model `shapes` (`Captioner.load("shapes")`), judged against its targets: on held-out images of its own
+split, where it looks and what it says, and on single shapes drawn plainly by code apart from the generator."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_sync_free_decoding_writes_the_same_captions_on_its_test_split(model, sp
             assert torch.allclose(got.alphas, want.alphas, atol=1e-5)
 
 
-# The targets of issue #37, and what this model measured on this machine.
+# Its targets, and what this model measured on this machine.
 
 
 def test_on_its_test_split_its_attention_lands_on_the_object_it_names(held_out):

@@ -49,7 +49,7 @@ def test_the_rule_compares_the_weights_with_their_pretrained_source(lite0):
 
 
 def test_a_frozen_run_started_from_a_fine_tuned_checkpoint_keeps_and_caches_that_encoder(tmp_path, lite0):
-    """The reproduction of issue #52: fine-tune, then start a frozen run from that checkpoint (init_from). Its
+    """Fine-tune, then start a frozen run from that checkpoint (init_from): its
     checkpoints and exports hold the fine-tuned encoder, load with it, and its feature cache was built from it."""
     sizes = ["--data.init_args.train_size=16", "--data.init_args.val_size=8", "--data.init_args.batch_size=8"]
     data = [f"--data.init_args.data_dir={tmp_path / 'data'}", *sizes]
@@ -105,7 +105,7 @@ def test_an_export_whose_left_out_encoder_is_not_the_one_here_is_one_line(tiny_m
 
 def test_a_file_that_left_out_its_encoder_starts_a_model_of_another_image_size_or_grid(tiny_checkpoint, lite0):
     """Its record is of the weights alone: 256-pixel images (an 8x8 grid) or the 14x14 grid of the same pretrained
-    weights are the weights it left out (issue #62: refused with "not those it was trained with")."""
+    weights are the weights it left out."""
     from captioner.models.show_attend_tell import ShowAttendTell
 
     file = model_file(tiny_checkpoint)
@@ -248,8 +248,8 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line_by_ever
     tmp_path, capfd, tiny_checkpoint
 ):
     """A fit checkpoint with one hostile object beside its weights: every way to read a model file refuses it in one
-    line naming it, and never unpickles the object (the marker file it would touch stays absent). At e647ee0
-    `CaptioningModule.load_from_checkpoint`, and through it `captioner evaluate`, ran it."""
+    line naming it, and never unpickles the object (the marker file it would touch stays absent):
+    `CaptioningModule.load_from_checkpoint`, and through it `captioner evaluate`, included."""
     from captioner.lit_module import CaptioningModule
     from tests.conftest import run_main
 
@@ -293,8 +293,8 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line_by_ever
 
 
 def test_a_checkpoint_at_an_fsspec_url_loads_through_lightning_s_reader(tiny_checkpoint):
-    """`CaptioningModule.load_from_checkpoint` leaves a URL to Lightning's reader (fsspec), weights only: at e647ee0 it
-    opened every path itself, and a URL was not found."""
+    """`CaptioningModule.load_from_checkpoint` leaves a URL to Lightning's reader (fsspec), weights only, rather than
+    open every path itself, where a URL is not found."""
     import fsspec
 
     from captioner.lit_module import CaptioningModule
@@ -317,7 +317,7 @@ def test_a_file_that_left_out_an_encoder_whose_weights_are_not_here_says_how_to_
 ):
     """An exported ResNet model leaves out its pretrained encoder, which loading rebuilds from torchvision's weights:
     where they cannot be had (offline, none cached), one line names the file and `--include-encoder`, not "set
-    pretrained: false", which was said at e647ee0 and cannot apply to a file."""
+    pretrained: false", which cannot apply to a file."""
     import captioner.models.backbones as encoder_module
     from captioner.errors import WeightsUnavailableError
 

@@ -285,8 +285,8 @@ def test_a_command_destroys_the_process_group_before_it_exits(ends, tmp_path, mo
 
 
 def test_ptb_scoring_without_java_is_refused_in_one_line_before_anything_is_decoded(tiny_checkpoint, tmp_path, capfd):
-    """Without Java, `--ptb-tokenizer` stops at once, in one line that says what to do; before, the whole split was
-    decoded first and a RuntimeError traceback ended it."""
+    """Without Java, `--ptb-tokenizer` stops at once, in one line that says what to do, before the split is decoded
+    (not after it, with a traceback)."""
     import shutil as shell
 
     with pytest.MonkeyPatch.context() as patch:

@@ -141,7 +141,7 @@ def test_the_compiled_step_that_a_shrinking_search_calls_survives_replays(shapes
     assert stand_in.overwritten > 10
 
 
-# The compiled training step (`--model.compile`, issue #45): on by default on CUDA; here forced on the CPU.
+# The compiled training step (`--model.compile`): on by default on CUDA; here forced on the CPU.
 
 
 @pytest.mark.slow  # 40 s with aot_eager; the default run's share of this is the next test and tests/models

@@ -67,9 +67,9 @@ def test_compile_function_copies_its_outputs_out_of_the_pool():
 
 
 def test_copy_out_copies_the_tensors_in_dicts_and_refuses_what_it_cannot_copy():
-    """A compiled function's outputs are copied out of the graph's memory wherever they are: in a dict too (at
-    e647ee0 a dict was passed through as it was, its tensors left in memory the next replay overwrites); an object
-    it cannot look into is refused, not passed through."""
+    """A compiled function's outputs are copied out of the graph's memory wherever they are: in a dict too (passed
+    through as it is, its tensors would be left in memory the next replay overwrites); an object it cannot look into
+    is refused, not passed through."""
     from captioner.models.compiling import copy_out
 
     tensor = torch.ones(3)
@@ -88,8 +88,7 @@ def test_copy_out_copies_the_tensors_in_dicts_and_refuses_what_it_cannot_copy():
 def test_the_recompile_limit_holds_while_any_thread_is_inside_and_is_put_back_after_the_last(monkeypatch, per_thread):
     """Dynamo's recompile limit is each thread's own in this torch, and the process's in older ones (emulated here by
     a setting that every thread shares): with two threads inside `recompile_limit` at once, each compiles under the
-    raised limit whichever leaves first, and the setting is put back after the last. At e647ee0, on a torch whose
-    setting is the process's, the first to leave put it back under the other."""
+    raised limit whichever leaves first, and the setting is put back after the last."""
     import threading
     from types import SimpleNamespace
 

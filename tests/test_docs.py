@@ -182,7 +182,8 @@ def test_every_option_the_docs_name_is_one_the_cli_takes():
 def test_what_the_docs_say_of_the_shipped_configs_is_what_they_hold():
     """Claims of docs/usage.md about the configs, read from the configs as the CLI makes them: best.ckpt is chosen by
     val/bleu4 for configs/shapes.yaml and debug.yaml, by val/cider for every other config; configs/coco_resnet101.yaml
-    runs its encoder on the image cache, not the 84.7 GiB feature cache (it built that at e647ee0, given room)."""
+    runs its encoder on the image cache, not the 84.7 GiB feature cache (which it builds, given room, where the image
+    cache is off)."""
     usage = (REPO / "docs" / "usage.md").read_text(encoding="utf-8")
     flowing = " ".join(usage.split())
     assert (
@@ -201,7 +202,7 @@ def test_what_the_docs_say_of_the_shipped_configs_is_what_they_hold():
 
 
 def test_what_the_docs_say_of_checkpoint_options_the_training_step_and_exports_is_what_the_code_does(monkeypatch):
-    """Three more claims that were once wrong (issue #77), each read in the text and checked against the code. (1)
+    """Three more claims that were once wrong, each read in the text and checked against the code. (1)
     `--checkpoint` is a file's option of caption, evaluate, export, serve and demo; on fit it is the group of the best
     checkpoint's options, and a file given there is refused. (2) The training step runs at fixed shapes, the padding
     masked, where `compile` is auto on CUDA, and shrinks on a CPU (the two give the same loss and gradients:

@@ -1,4 +1,4 @@
-"""`captioner export --format onnx` and `captioner.onnx` (issues #74, #79): the exported graphs on ONNX Runtime (the
+"""`captioner export --format onnx` and `captioner.onnx`: the exported graphs on ONNX Runtime (the
 searches' own word functions, run by a host loop) write the torch search's captions with its attention, from the same
 files, and import no torch.
 
@@ -71,8 +71,7 @@ def test_files(tmp_path_factory) -> list[Path]:
 
 def test_the_resize_of_a_large_photo_needs_less_memory_than_twice_the_photo():
     """A 12-megapixel photo resized to 224: beside the photo, the resize's numpy arrays peak below twice its own uint8
-    size (tracemalloc sees numpy's allocations). At e647ee0 it widened the whole photo to int32 first: 4x the photo,
-    about 1 GB at PIL's pixel limit. (benchmarks/resize.py measures its time against torchvision's.)"""
+    size (tracemalloc sees numpy's allocations). (benchmarks/resize.py measures its time against torchvision's.)"""
     import tracemalloc
 
     pixels = np.random.default_rng(0).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
@@ -259,7 +258,7 @@ def test_the_host_loop_is_the_torch_search(decoder, options, words):
 
 def test_both_searches_refuse_a_beam_wider_than_the_words_they_can_choose():
     """A vocabulary of V words offers a search V - 2 (never <pad> or <start>): a wider beam is refused in one line by
-    both searches. At e647ee0 both took up to V, and fed back impossible hypotheses of <pad> or <start>."""
+    both searches."""
     decoder, annotations = random_decoder(), torch.randn(2, 9, 16)  # V = 30
     with torch.inference_mode():
         assert beam_search(decoder, annotations, beam_size=28, max_len=3, **SPECIAL).tokens.shape[0] == 2
@@ -431,8 +430,8 @@ def test_a_bad_image_is_skipped_with_its_error(shapes_onnx, tmp_path):
 @pytest.mark.parametrize("change", [1e-3, 0.1])
 def test_a_check_finds_graphs_that_are_not_the_models(shapes_onnx, change):
     """export's check (run at every export) refuses graphs that compute another function than the model's: here one
-    word's logit moved by 1e-3 (at e647ee0 the check scaled its tolerance by the least likely word's log-probability,
-    and let this pass) or by 0.1: "square", a word the searches choose, whose scores it moves by 4e-4 and more."""
+    word's logit moved by 1e-3 or by 0.1: "square", a word the searches choose, whose scores it moves by 4e-4 and
+    more."""
     from captioner.checkpoints import build_model, model_file, resolve
     from captioner.onnx_export import check
 
@@ -552,8 +551,8 @@ def test_deploy_installs_without_torch_and_captions_beside_the_full_package(shap
 
 
 def test_one_rule_says_what_a_model_name_means_for_every_command_and_the_api(shapes_onnx, tmp_path, capfd, monkeypatch):
-    """`captioner.checkpoints.locate`: a folder named like the bundled model that holds no model does not shadow it
-    (at e647ee0 `--ckpt_path shapes` then failed on the folder); one that holds an export makes the bare name
+    """`captioner.checkpoints.locate`: a folder named like the bundled model that holds no model does not shadow it;
+    one that holds an export makes the bare name
     ambiguous, refused in one line, and `./shapes` is the folder; another folder is one line; `Captioner.load` takes
     an export folder too."""
     monkeypatch.chdir(tmp_path)

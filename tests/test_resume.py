@@ -150,8 +150,7 @@ def test_a_run_that_draws_captions_resumed_at_an_epoch_s_end_ends_with_the_unint
 ):
     """`train_captions: random` and `grouped` read the cache's batches ahead in a thread (prefetch 2), and each epoch
     is cut short (limit_train_batches) while that thread reads ahead, here slowly, as on a busy machine: the resumed
-    run still draws the captions the uninterrupted one drew. At e647ee0 the thread drew from Python's generator, and
-    the checkpoint kept that generator's state before the thread's last draws, which the uninterrupted run made."""
+    run still draws the captions the uninterrupted one drew."""
     import threading
     import time
 

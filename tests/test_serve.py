@@ -195,7 +195,8 @@ def test_stalled_clients_are_cut_off_after_the_timeout(server):
 def test_an_upload_longer_than_the_head_deadline_is_answered_sent_directly_or_through_a_proxy(server, images):
     """The head arrives at once, the body in four parts 0.9 s apart: each part within the body's timeout, the whole
     past the head deadline. A reverse proxy on this machine says whom it forwards for (X-Forwarded-For), which uvicorn
-    trusts from 127.0.0.1 and puts in the ASGI scope: such a connection was closed at the head deadline (issue #62)."""
+    trusts from 127.0.0.1 and puts in the ASGI scope: such a connection is answered too, not closed at the head
+    deadline."""
     host, port = server.removeprefix("http://").split(":")
     content, expected = images[0]
     body = FILE_PART + content + b"\r\n--xyz--\r\n"

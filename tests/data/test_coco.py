@@ -216,7 +216,7 @@ def regex_cyrillic(word: str) -> bool:
 
 def test_an_annotation_that_names_its_file_in_another_case_is_kept_where_names_ignore_case(tmp_path, monkeypatch):
     """`Photo.JPG` in the annotations for the file `photo.jpg`: on a file system that ignores case (macOS, Windows;
-    emulated here) the image is kept, as it was before the folder listings (at e647ee0 it was dropped as missing);
+    emulated here) the image is kept, as it was before the folder listings;
     on one that does not (this one), it is missing, as it is."""
     import os
 

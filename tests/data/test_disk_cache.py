@@ -179,7 +179,7 @@ def two_ranks(tmp_path, mode: str, timeout: float) -> list[dict[str, str]]:
 @pytest.mark.ci
 def test_two_ranks_a_failed_build_reaches_both_at_once(tmp_path):
     """Rank 0's build fails with an error that is not an OSError: both ranks raise, at once, not when the process
-    group's timeout ends the wait (at e647ee0 rank 1 waited at the barrier until it timed out)."""
+    group's timeout ends the wait."""
     said = two_ranks(tmp_path, "fail", timeout=60)
     assert said[0]["error"] == "error: the encoder gives non-finite annotations"
     assert (
@@ -192,15 +192,14 @@ def test_two_ranks_a_failed_build_reaches_both_at_once(tmp_path):
 @pytest.mark.ci
 def test_two_ranks_wait_for_a_build_longer_than_the_process_group_s_timeout(tmp_path):
     """Rank 0's build takes twice the process group's timeout: rank 1 waits on the cache's lock file, not in a
-    collective, and both use the cache (at e647ee0 rank 1's barrier timed out)."""
+    collective, and both use the cache."""
     said = two_ranks(tmp_path, "slow", timeout=5)
     assert [rank.get("usable") for rank in said] == ["True", "True"], said
 
 
 @pytest.mark.ci
 def test_two_ranks_use_a_whole_cache_in_a_folder_they_cannot_write(tmp_path):
-    """A whole cache where no lock file can be made (a read-only dataset folder): both ranks use it (at e647ee0 rank
-    0 took the lock before it looked, and fell back to the images)."""
+    """A whole cache where no lock file can be made (a read-only dataset folder): both ranks use it."""
     built("feature", tmp_path, Encoder("efficientnet_lite0").eval())
     said = two_ranks(tmp_path, "read-only", timeout=60)
     assert [rank.get("usable") for rank in said] == ["True", "True"], said

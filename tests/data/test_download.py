@@ -279,7 +279,7 @@ def test_flickr8k_comes_from_its_own_text_files_and_image_zip(server, tmp_path, 
 
 def test_images_found_under_an_image_root_elsewhere_are_not_downloaded(server, tmp_path, tiny_counts):
     """COCO's photos already on disk outside the data folder (an absolute image_root): only the split file is
-    fetched. At e647ee0 the check looked for data_dir/train2014, and 19 GB were downloaded again."""
+    fetched."""
     from captioner.data.datamodules import CocoDataModule
 
     urls = serve_coco(server)
@@ -548,8 +548,8 @@ def test_a_shipped_config_fits_on_what_its_sources_give_small_files_first(
 
 def test_flickr30k_from_lavis_s_files_finds_its_photos_in_the_documented_folder(server, tmp_path, monkeypatch):
     """LAVIS names Flickr30k's photos `flickr30k-images/<name>`; Karpathy's file names them without a folder. Either
-    way the photos are in image_root (data/README.md: `image_root=flickr30k-images`), not in
-    flickr30k-images/flickr30k-images/, where every image was looked for ("no usable images")."""
+    way the photos are in image_root (data/README.md: `image_root=flickr30k-images`), not looked for in
+    flickr30k-images/flickr30k-images/ ("no usable images")."""
     from dataclasses import replace
 
     from captioner.data.datamodules import CocoDataModule
@@ -578,9 +578,8 @@ def test_flickr30k_from_lavis_s_files_finds_its_photos_in_the_documented_folder(
 def test_flickr8k_s_photos_are_fetched_into_the_data_folder_itself_or_beside_its_own_text_files(
     server, tmp_path, tiny_counts, split_file
 ):
-    """`image_root: .` (the photos in the data folder itself, which always exists, so its existence said nothing),
-    and Flickr8k's own text files as the split file (which no plan knew): the photos are fetched all the same, and a
-    second run asks for nothing."""
+    """`image_root: .` (the photos in the data folder itself, whose existence says nothing of them), and Flickr8k's own
+    text files as the split file: the photos are fetched all the same, and a second run asks for nothing."""
     from captioner.data.datamodules import CocoDataModule
 
     server.files["/8k/Flickr8k_text.zip"] = zip_of(flickr8k_text())

@@ -156,8 +156,7 @@ def test_a_first_setup_neither_stats_each_image_nor_rebuilds_each_caption_s_toke
 
 def test_a_karpathy_split_kept_while_another_cannot_be_written_is_said_by_its_own_file(tmp_path, caplog, monkeypatch):
     """The Karpathy file is read once for every split: this split is kept, and another split whose file cannot be
-    written is one warning naming that file. At e647ee0 the other's error was said against this split's path, and
-    the split just made was thrown away and read again."""
+    written is one warning naming that file."""
     import captioner.data.splits as splits
 
     write_karpathy(tmp_path)

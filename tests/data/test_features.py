@@ -97,7 +97,7 @@ def test_a_damaged_cache_is_reported_by_file_and_built_again(tmp_path, encoder, 
 
 def test_a_cache_written_before_meta_json_recorded_unreadable_images_is_used_as_it_is(tmp_path, encoder, caplog):
     """A cache whose meta.json has no "bad" (written before it recorded the unreadable images; a COCO cache takes
-    hours to build) is opened, not built again. At e647ee0 it was called damaged and rebuilt, with a warning."""
+    hours to build) is opened, not built again."""
     module, cache = cached_module(tmp_path, encoder)
     meta = json.loads(cache.meta.read_text())
     del meta["bad"]
@@ -350,8 +350,7 @@ def test_prefetched_batches_are_the_batches_read_when_asked(tmp_path, encoder, m
     """The loader of cached features reads batches ahead in a thread (`prefetch`): for one seed, the same batches in
     the same order as reading each when asked (prefetch=0), the random caption draws included, epoch after epoch, also
     when each epoch is cut short after two batches (`limit_train_batches`) while its thread reads ahead; and the global
-    generators end where they would. At e647ee0 the thread drew captions from Python's generator for the batches it
-    read ahead: after an epoch cut short, the next epoch's captions differed."""
+    generators end where they would."""
     import random
 
     from captioner.data.prefetch import _Prefetcher
@@ -509,7 +508,7 @@ def test_worker_processes_kept_from_epoch_to_epoch_draw_each_epoch_s_captions_as
     tmp_path, encoder, mode
 ):
     """Where the loader reads images in worker processes and its dataset draws captions, the workers are kept from
-    epoch to epoch (persistent_workers; they were made anew each epoch, to be given the new epoch's seed), and each
+    epoch to epoch (persistent_workers, not made anew each epoch to be given the new epoch's seed), and each
     image's captions in each epoch are what reading in the loader's own process draws for it (the order of the
     images is the sampler's, which draws differently with workers), also after an epoch cut short."""
     import random

@@ -200,7 +200,7 @@ def test_images_stored_channel_last_are_stacked_as_stored():
 def test_the_cache_stores_the_pixels_that_the_model_gets_from_the_file(tmp_path, monkeypatch):
     """For the same photo files (of several sizes and shapes), the pixels that the datamodule's image cache stores,
     before JPEG, are those that `Captioner.caption` feeds the model, normalised alike (format 1 resized them with
-    PIL's filter instead). At e647ee0 this test compared a transform with itself."""
+    PIL's filter instead)."""
     from captioner.api import Captioner
     from captioner.data.vocab import Vocabulary
     from tests.datasets import write_custom

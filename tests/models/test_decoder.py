@@ -196,7 +196,7 @@ def test_the_attention_entropy_penalty_matches_hand_computation():
 
 def test_teacher_forcing_with_lengths_and_several_captions_an_image_names_the_cause():
     """The shrinking batch (lengths given) cannot take k captions an image: the error says so, not that the counts are
-    wrong (at e647ee0 it blamed the counts, which were right)."""
+    wrong."""
     from tests.helpers import caption_batch, small_model
 
     model = small_model()
