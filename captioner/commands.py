@@ -208,7 +208,7 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
     import yaml
     from jsonargparse import ArgumentParser
 
-    from captioner.checkpoints import read
+    from captioner.checkpoints import read, resolve
     from captioner.data.datamodules import CaptionDataModule
 
     if config is not None:
@@ -218,14 +218,32 @@ def _evaluation_data(config: str | None, checkpoint: str, overrides: list[str]):
             raise ConfigError(f"{config}: no data section")
     else:
         try:
-            hparams = dict(read(checkpoint, mmap=True)["datamodule_hyper_parameters"])
+            hparams = dict(read(resolve(checkpoint), checkpoint, mmap=True)["datamodule_hyper_parameters"])
         except (KeyError, TypeError):
-            raise ConfigError(f"{checkpoint}: the checkpoint does not name its data; pass --config") from None
+            raise ConfigError(
+                f"{checkpoint}: it does not name its data (only a fit checkpoint does); pass --config"
+            ) from None
         hparams.pop("_instantiator", None)
         data = {"class_path": hparams.pop("_class_path"), "init_args": hparams}
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(CaptionDataModule, "data")
     return parser.instantiate_classes(parser.parse_args(["--data", json.dumps(data), *overrides])).data
+
+
+def _evaluated_model(checkpoint: str):
+    """The model and vocabulary that `evaluate` scores, in eval mode: a fit checkpoint's (as Lightning loads it), or an
+    exported file's or a bundled model's (`captioner.checkpoints.build_model`, the encoder as it was trained: not
+    folded for captioning, so that its feature cache is the training's)."""
+    from captioner.checkpoints import build_model, model_file, read, resolve
+    from captioner.data.vocab import Vocabulary
+    from captioner.lightning_cli import load_module
+
+    path = resolve(checkpoint)
+    if "hyper_parameters" in read(path, checkpoint, mmap=True):
+        module = load_module(str(path))
+        return module.model.eval(), module.vocab
+    file = model_file(path, checkpoint)
+    return build_model(file, checkpoint).eval(), Vocabulary(file.vocab)
 
 
 def evaluate(argv: list[str]) -> None:
@@ -237,9 +255,11 @@ def evaluate(argv: list[str]) -> None:
         evaluate,
         epilog="Options of the data, as in `captioner fit`, override the config's: --data.init_args.data_dir=...",
     )
-    _add_checkpoint(parser, "a checkpoint written by `captioner fit`")
+    _add_checkpoint(parser, "a checkpoint of `captioner fit`, a file of `captioner export`, or a bundled model's name")
     parser.add_argument(
-        "--config", help="a YAML whose `data` section names the dataset (default: the checkpoint's training data)"
+        "--config",
+        help="a YAML whose `data` section names the dataset (default: a fit checkpoint's training data; a model file "
+        "or bundled model names none)",
     )
     parser.add_argument("--split", choices=("val", "test"), default="test", help="the split to caption and score")
     _add_decoding(parser)
@@ -261,13 +281,13 @@ def evaluate(argv: list[str]) -> None:
     from tqdm import tqdm
 
     from captioner.data.vocab import detokenize, tokenize
-    from captioner.lightning_cli import load_module
     from captioner.metrics import coco_caption_scores, decode_batch, peakedness_scores
 
-    module = load_module(args.checkpoint).eval()  # first: a missing or foreign checkpoint is named in one line
+    model, vocab = _evaluated_model(args.checkpoint)  # first: a missing or foreign file is named in one line
     datamodule = _evaluation_data(args.config, args.checkpoint, overrides)
-    module.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    datamodule.set_encoder(module.model.encoder)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    datamodule.set_encoder(model.encoder)
     datamodule.setup("test" if args.split == "test" else "validate")
     source = datamodule.split(args.split)
     loader = datamodule.test_dataloader() if args.split == "test" else datamodule.val_dataloader()
@@ -276,9 +296,9 @@ def evaluate(argv: list[str]) -> None:
     for batch in tqdm(loader, desc=f"evaluate {args.split}", unit="batch", disable=None):  # on a terminal only
         if not batch:  # no readable image in the batch (each was reported)
             continue
-        inputs = {k: batch[k].to(module.device) for k in ("images", "annotations") if k in batch}
-        generation = module.model.generate(**inputs, **_decoding(args))
-        decoded = decode_batch(batch, generation, module.vocab, module.model.encoder.grid_hw)
+        inputs = {k: batch[k].to(device) for k in ("images", "annotations") if k in batch}
+        generation = model.generate(**inputs, **_decoding(args))
+        decoded = decode_batch(batch, generation, vocab, model.encoder.grid_hw)
         everything += decoded
         for image in decoded:
             image_id = source.image_id(image.index) if hasattr(source, "image_id") else image.index
@@ -297,7 +317,7 @@ def evaluate(argv: list[str]) -> None:
     scores["exact_reference"] = sum(exact) / max(len(exact), 1)  # captions that are one of their references
     peaks = peakedness_scores(everything)  # how peaked each word's attention is, over all words and content words
     if peaks:  # a word's share in its strongest tenth of the grid (and uniform's), its entropy over uniform's (1)
-        P = module.model.encoder.num_pixels
+        P = model.encoder.num_pixels
         scores |= {name.replace("attn_", "attention_"): value for name, value in peaks.items()}
         scores["attention_top_tenth_uniform"] = math.ceil(P / 10) / P
     if masses:
