@@ -203,8 +203,14 @@ def answer(result: CaptionResult | onnx.CaptionResult) -> dict:
     }
 
 
-def example_images(count: int = 4) -> dict[str, bytes]:
-    """A few held-out shapes images (the bundled model's test split), as PNG files for the page's examples."""
+def example_images(card: dict, count: int = 4) -> dict[str, bytes]:
+    """The page's examples: the photos a model's card names (`examples`, paths from the repository's folder; the
+    bundled `ucm` names UCM test photos in docs/images/ucm/) where they are, else a few held-out shapes images (the
+    bundled `shapes` model's test split, as PNG files)."""
+    repository = Path(__file__).resolve().parent.parent
+    photos = [repository / name for name in card.get("examples", [])]
+    if photos and all(photo.is_file() for photo in photos):
+        return {photo.name: photo.read_bytes() for photo in photos}
     split = ShapesDataset("test", count)
     examples = {}
     for index in range(count):
@@ -230,7 +236,7 @@ def create_app(
     batcher = Batcher(captioner, max_batch)
     decoding = asyncio.Semaphore(max_batch)  # decoded images in memory: from decoding until captioned
     reduce_to = 2 * captioner.image_size
-    examples = example_images()
+    examples = example_images(captioner.card)
     # No /docs, /redoc or /openapi.json: their pages load scripts from a CDN, and the API is the one route below.
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BoundedBodies, max_upload_mb=max_upload_mb, timeout=timeout)
@@ -263,7 +269,8 @@ def create_app(
     def example(name: str) -> Response:
         if name not in examples:
             return error(f"{name}: no such example", 404)
-        return Response(examples[name], media_type="image/png")
+        media = "image/jpeg" if name.lower().endswith((".jpg", ".jpeg")) else "image/png"
+        return Response(examples[name], media_type=media)
 
     @app.post("/api/caption")
     async def caption(request: Request) -> JSONResponse:

@@ -22,6 +22,7 @@ from captioner.api import Captioner
 from captioner.cli import main
 from captioner.data.shapes import ShapesDataset
 from captioner.serve import BoundedBodies
+from tests.conftest import REPO
 from tests.images import png_claiming
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -425,3 +426,15 @@ def test_a_closed_connection_s_protocol_is_not_held_by_its_head_deadline():
         assert protocol() is None
     finally:
         loop.close()
+
+
+def test_the_page_s_examples_are_the_photos_a_model_s_card_names_else_shapes():
+    """A model whose card names example photos (the bundled `ucm`: UCM test photos in docs/images/ucm/) shows them;
+    another, or one whose photos are not there (an installed wheel has no docs/), shows held-out shapes images."""
+    from captioner.serve import example_images
+
+    photos = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "images" / "ucm").glob("*.jpg"))
+    named = example_images({"examples": photos})
+    assert list(named) == [p.rsplit("/", 1)[1] for p in photos] and all(b[:2] == b"\xff\xd8" for b in named.values())
+    for card in ({}, {"examples": ["docs/images/ucm/missing.jpg"]}):
+        assert all(name.startswith("shapes_") for name in example_images(card))
