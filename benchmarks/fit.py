@@ -275,6 +275,8 @@ class Instruments(Callback):
         record = {"first_step": self.first, "steps": self.steps, "waits": lines}
         (self.folder / "waits.json").write_text(json.dumps(record, indent=1))
         print(f"\n{len(lines)} host waits in {self.steps} steps from step {self.first}", flush=True)
+        for line in sorted(set(lines))[:10]:  # where each kind of wait is, now: the run may be stopped before its end
+            print(" ", line, flush=True)
 
     def _report(self, profiler) -> None:
         synchronize(self.device)
