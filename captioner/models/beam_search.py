@@ -10,7 +10,16 @@ import torch.nn.functional as F
 
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
-from captioner.models.decoding import LENGTH_PENALTY, Generation, _words, check_interval, sync_free_default
+from captioner.models.decoding import (
+    LENGTH_PENALTY,
+    Generation,
+    _generation,
+    _host,
+    _words,
+    check_interval,
+    sync_free_default,
+)
+from captioner.models.search_host import BeamRecord
 
 
 def beam_search(
@@ -30,7 +39,7 @@ def beam_search(
 
     - The first step runs once per image: its K beams are all the same <start> hypothesis until the first word.
     - A finished hypothesis stays in its beam with its final score (it can only be extended by <pad> at no cost).
-    - Hypotheses are recorded by back-pointers (one (B*K,) row of parents per step) and read back once at the end.
+    - Hypotheses are recorded by back-pointers and read back once at the end.
 
     Hypotheses are ranked by score / length**length_penalty (0: the raw log-probability), in the search as at its end:
     a finished hypothesis keeps its length, and a live one that reaches a better score per word can take its place.
@@ -38,18 +47,18 @@ def beam_search(
     caption is empty when that hypothesis is <end> alone (tests/test_degenerate_captions.py).
 
     Two ways to the same captions (`sync_free`: by default on CUDA and compiled, see `sync_free_default`):
-    - the batch shrinks: a finished hypothesis skips the LSTM and the output layer (only the attention, which works
-      image by image, still includes it), and an image whose K hypotheses have all finished leaves the batch, its
-      decoder state, annotations and keys with it. The host reads at every word what has finished (the CPU's way:
-      1.54x faster there at batch 64, docs/benchmarks.md);
-    - sync-free: every image and hypothesis runs every step, and what has finished is read once every `check_every`
-      words (`check_interval`: 8 on a GPU and with a compiled decoder): the device never waits for the host in
-      between, and the words between two reads are one call (`_beam_words`), one graph for a compiled decoder. When
-      the images still searching fit in half the batch or less, the batch shrinks to the least power of two that
-      holds them (ended images fill the rest): a compiled decoder meets a few fixed shapes (64, 32, ... 1 images)
-      rather than one per number of images still searching.
+    - the batch shrinks (`_shrinking`): a finished hypothesis skips the LSTM and the output layer (only the
+      attention, which works image by image, still includes it), and an image whose K hypotheses have all finished
+      leaves the batch, its decoder state, annotations and keys with it. The host reads at every word what has
+      finished, and keeps the record (`captioner.models.search_host.BeamRecord`, as the ONNX loop does): the CPU's
+      way, 1.54x faster there at batch 64 (docs/benchmarks.md);
+    - sync-free (`_sync_free`): every image and hypothesis runs every step, and what has finished is read once every
+      `check_every` words (`check_interval`: 8 on a GPU and with a compiled decoder): the device never waits for the
+      host in between, and the words between two reads are one call (`_beam_words`), one graph for a compiled
+      decoder. When the images still searching fit in half the batch or less, the batch shrinks to the least power
+      of two that holds them (ended images fill the rest): a compiled decoder meets a few fixed shapes (64, 32, ...
+      1 images) rather than one per number of images still searching.
     """
-    B, P, _ = annotations.shape
     K = beam_size
     if K < 1 or max_len < 1:
         raise ConfigError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
@@ -61,7 +70,69 @@ def beam_search(
     # The annotations and keys stay one row per image: beams only ever move within their own image, and attention
     # broadcasts one image's annotations over its hypotheses (see captioner.models.attention).
     never = torch.tensor([pad_index, start_index], device=device)  # words never generated
+    # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
+    finished_log_probs = finished_extension(K, decoder.vocab_size, pad_index, device)
+    options = (K, max_len, length_penalty, start_index, end_index, pad_index, never, finished_log_probs)
+    if sync_free:
+        return _sync_free(decoder, annotations, keys, h, c, *options, check_every)
+    return _shrinking(decoder, annotations, keys, h, c, *options)
 
+
+def _shrinking(
+    decoder, annotations, keys, h, c, K, max_len, length_penalty, start_index, end_index, pad_index, never,
+    finished_log_probs,
+) -> Generation:  # fmt: skip
+    """`beam_search`'s shrinking batch: a word a call, the host's part (what has finished, images leaving, the record
+    and its read-back) `captioner.models.search_host.BeamRecord`'s, as the ONNX loop's. On CUDA each word's read waits
+    for the device: the way of a CPU, where it waits for nothing."""
+    B, P = annotations.shape[:2]
+    device = annotations.device
+    tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (A*G,)
+    scores = torch.zeros(B, 1, device=device)  # (A,G): G hypotheses an image, 1 before the first word
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (A*G,)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)  # (A*G,)
+    record = BeamRecord(B, K, P, max_len, pad_index)
+    while True:
+        A, G = scores.shape
+        live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
+        if live.numel() == A * G:
+            logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
+        else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
+            context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
+            logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V)
+            # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
+            h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
+        log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
+        if live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
+            log_probs = finished_log_probs.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
+        scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
+        was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
+        h, c = h[parents], c[parents]
+        alphas = alpha.float()[parents].masked_fill(was_finished.unsqueeze(1), 0.0)  # (A*K,P)
+        within = parents.view(A, K) - torch.arange(A, device=device).unsqueeze(1) * G  # each parent within its image
+        record.write(_host(tokens.view(1, A, K)), _host(within.unsqueeze(0)), _host(alphas.view(1, A, K, P)))
+        best = tuple(_host(x) for x in _winners(scores, lengths, finished, length_penalty))  # (A,) each
+        done = _host(finished.view(A, K).all(dim=1))  # (A,)
+        if record.over(done):
+            record.finish(*best)
+            return _generation(record.arrays(), device)
+        keep = record.leave(done, *best)
+        if keep is not None:  # these images can no longer change: their winners are kept, and they leave the batch
+            images = torch.from_numpy(keep).to(device)
+            hypotheses = images.repeat_interleave(K)
+            annotations, keys, scores = annotations[images], keys[images], scores[images]
+            h, c, tokens, finished, lengths = (x[hypotheses] for x in (h, c, tokens, finished, lengths))
+
+
+def _sync_free(
+    decoder, annotations, keys, h, c, K, max_len, length_penalty, start_index, end_index, pad_index, never,
+    finished_log_probs, check_every,
+) -> Generation:  # fmt: skip
+    """`beam_search`'s sync-free way: the record stays on the device and is read back there (`_read_back`), so that
+    the host copies nothing between its reads of what has finished, once every `check_every` words (the host's
+    record, `captioner.models.search_host.BeamRecord`, would copy every call's words to the host)."""
+    B, P = annotations.shape[:2]
+    device = annotations.device
     # The images still searching (A of them, G hypotheses each, rows grouped by image) ...
     alive = torch.arange(B, device=device)  # (A,)
     tokens = torch.full((B,), start_index, dtype=torch.long, device=device)  # (A*G,)
@@ -77,36 +148,14 @@ def beam_search(
     record_tokens, record_alphas, record_parents = [], [], []  # (n,B*K), (n,B*K,P), (n,B*K) for n words at a time
     identity = torch.arange(B * K, device=device)
     rows = identity  # (A*K,) record rows of the hypotheses in the batch
-    # log-probabilities of a finished hypothesis: 0 for <pad>, -inf for every other word
-    finished_log_probs = finished_extension(K, decoder.vocab_size, pad_index, device)
     words, fixed = _words(decoder, _beam_words), (annotations, keys, finished_log_probs, never)
     t = 0
     while t < max_len:
-        A, G = scores.shape
-        if sync_free:  # check_every words a call, every row run; a finished one's next word is <pad>, at no cost
-            n = min(check_every, max_len - t)
-            (tokens, h, c, scores, lengths, finished), parents, step_tokens, step_alphas = words(
-                decoder, (tokens, h, c, scores, lengths, finished), fixed, n, K, length_penalty, end_index
-            )  # (n,A*K), (n,A*K), (n,A*K,P)
-        else:
-            n = 1
-            live = (~finished).nonzero().squeeze(1)  # (L,) the hypotheses still being written
-            if live.numel() == A * G:
-                logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A*G,V), _, (A*G,P)
-            else:  # the attention works image by image, on all G rows; the rest of the step only on the live ones
-                context, alpha = decoder.attend(h, annotations, keys)  # (A*G,E), (A*G,P)
-                logits, (h_live, c_live) = decoder.update(tokens[live], context[live], (h[live], c[live]))  # (L,V)
-                # A finished row keeps a stale state: only the attention reads it, and its alpha is discarded below.
-                h, c = h.index_copy(0, live, h_live), c.index_copy(0, live, c_live)
-            log_probs = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf"))  # (L,V)
-            if live.numel() < A * G:  # the live rows were run; the finished ones' next word is <pad>, at no cost
-                log_probs = finished_log_probs.repeat(A * G, 1).index_copy_(0, live, log_probs)  # (A*G,V)
-            scores, parents, tokens = _best_extensions(scores, log_probs, lengths, finished, K, length_penalty)
-            was_finished, lengths, finished = _follow(parents, tokens, lengths, finished, end_index)
-            h, c = h[parents], c[parents]
-            step_alphas = alpha.float()[parents].masked_fill(was_finished.unsqueeze(1), 0.0).unsqueeze(0)
-            parents, step_tokens = parents.unsqueeze(0), tokens.unsqueeze(0)
-
+        A = scores.size(0)
+        n = min(check_every, max_len - t)  # check_every words a call, every row run; a finished one's next: <pad>
+        (tokens, h, c, scores, lengths, finished), parents, step_tokens, step_alphas = words(
+            decoder, (tokens, h, c, scores, lengths, finished), fixed, n, K, length_penalty, end_index
+        )  # (n,A*K), (n,A*K), (n,A*K,P)
         step_parents = rows[parents]  # (n,A*K) record rows
         if t == 0:  # the first word extends each image's one <start> hypothesis, record row b*K
             step_parents[0] = parents[0] * K
@@ -121,26 +170,24 @@ def beam_search(
         if t == max_len:
             break
 
-        done = finished.view(A, K).all(dim=1)  # (A,): the one host sync, every check_every words when sync-free
+        done = finished.view(A, K).all(dim=1)  # (A,): the one host sync, every check_every words
         n_done = int(done.sum())
         if n_done == A:
             break
-        if sync_free:  # images leave only when the rest fit a power of two: few shapes (a compiled step's graphs)
-            size = 1 << (A - n_done - 1).bit_length()  # the least power of two >= the images still searching
-            if size >= A:
-                continue
-            done[done.nonzero().squeeze(1)[: size - (A - n_done)]] = False  # ended images that stay, to make size
-            n_done = A - size
-        if n_done:  # these images can no longer change: record their result and leave the batch
-            done_rows = done.repeat_interleave(K)
-            final_scores[alive[done]] = scores[done]
-            final_lengths[rows[done_rows]] = lengths[done_rows]
-            final_finished[rows[done_rows]] = True
-            keep, keep_rows = ~done, ~done_rows
-            alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
-            fixed = (annotations, keys, finished_log_probs, never)
-            h, c, tokens, finished, lengths = (x[keep_rows] for x in (h, c, tokens, finished, lengths))
-            rows = rows[keep_rows]
+        # images leave only when the rest fit a power of two: few shapes (a compiled step's graphs)
+        size = 1 << (A - n_done - 1).bit_length()  # the least power of two >= the images still searching
+        if size >= A:
+            continue
+        done[done.nonzero().squeeze(1)[: size - (A - n_done)]] = False  # ended images that stay, to make size
+        done_rows = done.repeat_interleave(K)  # these images can no longer change: their result is recorded
+        final_scores[alive[done]] = scores[done]
+        final_lengths[rows[done_rows]] = lengths[done_rows]
+        final_finished[rows[done_rows]] = True
+        keep, keep_rows = ~done, ~done_rows
+        alive, annotations, keys, scores = alive[keep], annotations[keep], keys[keep], scores[keep]
+        fixed = (annotations, keys, finished_log_probs, never)
+        h, c, tokens, finished, lengths = (x[keep_rows] for x in (h, c, tokens, finished, lengths))
+        rows = rows[keep_rows]
     final_scores[alive] = scores
     final_lengths[rows] = lengths
     final_finished[rows] = finished

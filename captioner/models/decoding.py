@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from captioner.errors import ConfigError
 from captioner.models.decoder import AttentionDecoder
+from captioner.models.search_host import GreedyRecord
 
 # Beam search ranks hypotheses by log-probability / length**LENGTH_PENALTY. Ranked by the raw sum (0), every word
 # costs probability, so short captions win: on a weak model, beam search ends after two words where greedy search
@@ -66,6 +67,17 @@ class Generation:
     alphas: torch.Tensor
 
 
+def _host(x: torch.Tensor):
+    """A tensor's values on the host, as numpy, for the host's part of a search (`captioner.models.search_host`): no
+    copy on a CPU."""
+    return x.detach().cpu().numpy()
+
+
+def _generation(arrays: tuple, device: torch.device) -> Generation:
+    """A host record's arrays (`GreedyRecord.arrays`, `BeamRecord.arrays`) as a Generation on `device`."""
+    return Generation(*(torch.from_numpy(array).to(device) for array in arrays))
+
+
 def _words(decoder: AttentionDecoder, function):
     """A sync-free search's run of words between two reads (`_greedy_words`, `_beam_words`): compiled, one graph per
     shape, for a compiled decoder (`AttentionDecoder.compiled_function`); else `function` itself."""
@@ -117,27 +129,25 @@ def greedy_search(
                 break
         _, _, _, scores, lengths, _ = state
         out_tokens, out_alphas = (torch.cat(parts, dim=1) for parts in zip(*written, strict=True))
-    else:  # the batch shrinks as captions end
-        rows = torch.arange(B, device=device)  # the output rows of the batch's captions, and of h, c, annotations
-        out_tokens = torch.full((B, max_len), pad_index, dtype=torch.long, device=device)
-        out_alphas = torch.zeros(B, max_len, P, device=device)  # float32, also under autocast
-        for t in range(max_len):
-            logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (N,V), _, (N,P)
-            best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
-            lengths[rows] += 1
-            out_tokens[rows, t] = tokens
-            out_alphas[rows, t] = alpha.float()  # index_put needs one dtype (autocast may give another)
-            scores.index_add_(0, rows, best)
-            finished = finished | (tokens == end_index)
-            if bool(finished.any()):  # the ended captions leave the batch
-                keep = (~finished).nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                rows, tokens, h, c, annotations, keys, finished = (
-                    x[keep] for x in (rows, tokens, h, c, annotations, keys, finished)
-                )
-    steps = int(lengths.max())
-    return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
+        steps = int(lengths.max())
+        return Generation(out_tokens[:, :steps], lengths, scores, out_alphas[:, :steps])
+    # The batch shrinks as captions end, a word a call; the host's part (what has ended, captions leaving, the record)
+    # is `search_host.GreedyRecord`'s, as the ONNX loop's. On CUDA each word's read waits for the device.
+    record = GreedyRecord(B, P, max_len, pad_index)
+    while True:
+        logits, (h, c), alpha = decoder.step(tokens, (h, c), annotations, keys)  # (A,V), _, (A,P)
+        best, tokens = F.log_softmax(logits.float(), dim=-1).index_fill_(1, never, float("-inf")).max(dim=-1)
+        scores, lengths = scores + best, lengths + 1
+        record.write(_host(tokens.unsqueeze(1)), _host(alpha.float().unsqueeze(1)), _host(scores), _host(lengths))
+        finished = _host(tokens == end_index)
+        if record.over(finished):
+            return _generation(record.arrays(), device)
+        keep = record.leave(finished)
+        if keep is not None:  # the ended captions leave the batch
+            keep = torch.from_numpy(keep).to(device)
+            tokens, h, c, annotations, keys, scores, lengths = (
+                x[keep] for x in (tokens, h, c, annotations, keys, scores, lengths)
+            )
 
 
 def _greedy_words(

@@ -2,12 +2,11 @@
 (`captioner.onnx_export.GreedyWordsGraph`, `BeamWordsGraph`): the torch searches' own word functions
 (`captioner.models.decoding._greedy_words`, `captioner.models.beam_search._beam_words`), `words` words a call, with
 the top-k, the length penalty, the reorder by parent and each image's winner (the best finished hypothesis, else the
-best unfinished one).
-What the host does, and why it cannot be a graph:
-- it stops: whether every image has finished is read once a call, and a graph cannot end a loop it does not hold;
-- it lets images that have finished leave the batch (a gather of their rows), so the graphs' work shrinks as the
-  torch searches' does on a CPU; this happens at most once a call, and only when an image has finished;
-- it follows the back-pointers once at the end (a caption's length is known only then).
+best unfinished one). What the host does, and why it cannot be a graph, is `captioner.models.search_host`'s, which the
+torch searches on a CPU use too: it stops (whether every image has finished is read once a call, and a graph cannot
+end a loop it does not hold); it lets images that have finished leave the batch (a gather of their rows, at most once
+a call), so the graphs' work shrinks as the torch searches' does on a CPU; and it follows the back-pointers once at
+the end (a caption's length is known only then).
 
 The state passes from one call to the next as OrtValues, through numpy only when images leave the batch (their rows
 gathered); the annotations and keys become OrtValues on the provider's device once per batch, and again only when
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from ..models.search_host import BeamRecord, GreedyRecord
 from .layout import STATE
 
 
@@ -36,6 +36,13 @@ class SearchOutput:
     ids: list[list[int]]
     scores: list[float]
     alphas: list[np.ndarray]
+
+    @classmethod
+    def of(cls, ids: np.ndarray, lengths: np.ndarray, scores: np.ndarray, alphas: np.ndarray) -> SearchOutput:
+        """From a record's arrays (`GreedyRecord.arrays`, `BeamRecord.arrays`)."""
+        kept = range(len(lengths))
+        return cls([ids[b, : lengths[b]].tolist() for b in kept], [float(s) for s in scores],
+                   [alphas[b, : lengths[b]] for b in kept])  # fmt: skip
 
 
 class Words:
@@ -75,38 +82,27 @@ def greedy_search(
     pad: int = 0, max_len: int = 30,
 ) -> SearchOutput:  # fmt: skip
     """The most probable word at each step, `n` words a call, until every caption has ended or has `max_len` words;
-    a caption that has ended leaves the batch at the end of its call."""
+    a caption that has ended leaves the batch at the end of its call (`GreedyRecord`)."""
     if max_len < 1:
         raise SearchError(f"max_len must be >= 1, got {max_len}")
     B, P = annotations.shape[:2]
-    rows = np.arange(B, dtype=np.int64)  # the captions still being written
     state = {"tokens": np.full(B, start, np.int64), "h": h, "c": c, "scores": np.zeros(B, np.float32),
              "lengths": np.zeros(B, np.int64), "finished": np.zeros(B, bool)}  # fmt: skip
     state = {name: words.value(x) for name, x in state.items()}
-    ids, alphas = np.full((B, max_len), pad, np.int64), np.zeros((B, max_len, P), np.float32)
-    scores, lengths = np.zeros(B, np.float32), np.zeros(B, np.int64)
-    t = 0
-    while t < max_len:
+    record = GreedyRecord(B, P, max_len, pad)
+    while True:
         out = words(state)
-        m = min(n, max_len - t)  # the words of this call within max_len
-        ids[rows, t : t + m] = out["words"].numpy()[:, :m]
-        alphas[rows, t : t + m] = out["alphas"].numpy()[:, :m]
-        scores[rows], lengths[rows] = out["word_scores"].numpy()[:, m - 1], out["word_lengths"].numpy()[:, m - 1]
-        t += m
+        m = record.room(n)
+        record.write(*(out[name].numpy()[:, :m] for name in ("words", "alphas")),
+                     *(out[name].numpy()[:, m - 1] for name in ("word_scores", "word_lengths")))  # fmt: skip
         finished = out["finished_out"].numpy()
-        if t == max_len or finished.all():
-            break
-        keep = None
-        if finished.any():  # the ended captions leave the batch
-            keep = ~finished
-            rows, annotations, keys = rows[keep], annotations[keep], keys[keep]
+        if record.over(finished):
+            return SearchOutput.of(*record.arrays())
+        keep = record.leave(finished)
+        if keep is not None:
+            annotations, keys = annotations[keep], keys[keep]
             words.bind({"annotations": annotations, "keys": keys})
         state = words.next_state(out, keep)
-    return SearchOutput(
-        [ids[b, : lengths[b]].tolist() for b in range(B)],
-        [float(s) for s in scores],
-        [alphas[b, : lengths[b]] for b in range(B)],
-    )
 
 
 def beam_search(
@@ -116,8 +112,7 @@ def beam_search(
     """Beam search over all images and beams at once, `n` words a call, until each image's K hypotheses have all
     finished or have `max_len` words. Before the first word each image has one hypothesis, <start>: it is the first
     of K whose other K - 1 score -inf, so no word extends them. An image whose K hypotheses have finished leaves the
-    batch at the end of its call, with its winner. The record (per word: each hypothesis's word, parent and attention)
-    is read back along the parents from each image's winner."""
+    batch at the end of its call, with its winner; each caption is read back along the parents (`BeamRecord`)."""
     K = beam_size
     if K < 1 or max_len < 1:
         raise SearchError(f"beam_size and max_len must be >= 1, got {K} and {max_len}")
@@ -133,39 +128,18 @@ def beam_search(
              "finished": np.zeros((B, K), bool)}  # fmt: skip
     state = {name: words.value(x) for name, x in state.items()}
     words.bind({"length_penalty": np.array(length_penalty, np.float32)})
-    alive = np.arange(B, dtype=np.int64)  # the images still searching
-    record_ids = np.full((max_len, B, K), pad)  # an image that has left goes on as <pad> rows ...
-    record_parents = np.broadcast_to(np.arange(K), (max_len, B, K)).copy()  # ... each its own parent
-    record_alphas = np.zeros((max_len, B, K, P), np.float32)
-    winner, scores, lengths = np.zeros(B, np.int64), np.zeros(B, np.float32), np.zeros(B, np.int64)
-    t = 0
-    while t < max_len:
+    record = BeamRecord(B, K, P, max_len, pad)
+    while True:
         out = words(state)
-        m = min(n, max_len - t)  # the words of this call within max_len
-        record_ids[t : t + m, alive] = out["words"].numpy()[:m]
-        record_parents[t : t + m, alive] = out["parents"].numpy()[:m]
-        record_alphas[t : t + m, alive] = out["alphas"].numpy()[:m]
-        best = out["winner"].numpy()[m - 1], out["winner_score"].numpy()[m - 1], out["winner_length"].numpy()[m - 1]
-        t += m
+        m = record.room(n)
+        record.write(*(out[name].numpy()[:m] for name in ("words", "parents", "alphas")))
+        best = tuple(out[name].numpy()[m - 1] for name in ("winner", "winner_score", "winner_length"))  # (A,) each
         done = out["finished_out"].numpy().all(axis=1)  # (A,)
-        if t == max_len or done.all():
-            winner[alive], scores[alive], lengths[alive] = best
-            break
-        keep = None
-        if done.any():  # these images can no longer change: their winners are final, and they leave the batch
-            gone = alive[done]
-            winner[gone], scores[gone], lengths[gone] = (x[done] for x in best)
-            keep = ~done
-            alive, annotations, keys = alive[keep], annotations[keep], keys[keep]
+        if record.over(done):
+            record.finish(*best)
+            return SearchOutput.of(*record.arrays())
+        keep = record.leave(done, *best)
+        if keep is not None:
+            annotations, keys = annotations[keep], keys[keep]
             words.bind({"annotations": annotations, "keys": keys})
         state = words.next_state(out, keep)
-    images, k = np.arange(B), winner
-    ids, alphas = np.empty((B, t), np.int64), np.empty((B, t, P), np.float32)
-    for step in reversed(range(t)):  # follow the back-pointers from the last word to the first
-        ids[:, step], alphas[:, step] = record_ids[step, images, k], record_alphas[step, images, k]
-        k = record_parents[step, images, k]
-    return SearchOutput(
-        [ids[b, : lengths[b]].tolist() for b in range(B)],
-        [float(s) for s in scores],
-        [alphas[b, : lengths[b]] for b in range(B)],
-    )

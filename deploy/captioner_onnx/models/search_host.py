@@ -1,0 +1,1 @@
+../../../captioner/models/search_host.py
