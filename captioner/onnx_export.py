@@ -1,5 +1,5 @@
-"""`captioner export --format onnx`: a trained model as three ONNX graphs and one JSON file, which `captioner.onnx`
-runs on ONNX Runtime without PyTorch.
+"""`captioner export --format onnx`: a trained model as four ONNX graphs, their shared weights and one JSON file,
+which `captioner.onnx` runs on ONNX Runtime without PyTorch.
 
 The folder holds:
 - `encoder.onnx`: images (B,3,S,S), uint8, already resized to the model's input size -> annotations (B,P,E); the
@@ -12,6 +12,8 @@ The folder holds:
   compiles), so that the top-k, the length penalty, the reorder by parent and the choice of each image's winner are
   written once, there;
   `captioner.onnx.search` only loops over them;
+- `weights.bin`: the weights that more than one graph holds (the decoder's, in greedy and beam), written once
+  and read by each as ONNX external data (`captioner.onnx_weights`);
 - `captioner.json`: the vocabulary, the special tokens, the input size and resampling filter, the grid, and the
   search's defaults (the length penalty, the longest caption).
 
@@ -45,6 +47,7 @@ from captioner.models.beam_search import _beam_words, finished_extension
 from captioner.models.decoding import LENGTH_PENALTY, _greedy_words
 from captioner.models.show_attend_tell import ShowAttendTell
 from captioner.onnx.layout import CONFIG, FORMAT, GRAPHS, INPUTS, OUTPUTS, STATE
+from captioner.onnx_weights import share, store_float16
 
 OPSET = 18
 # The words a search's graph runs a call: the host reads whether every caption has ended once a call, and up to
@@ -159,9 +162,13 @@ def beam_state(model: ShowAttendTell, h: torch.Tensor, c: torch.Tensor, K: int) 
 INT8 = {"step": ("greedy", "beam"), "all": ("encoder", "greedy", "beam")}  # --int8's choices: the graphs quantized
 
 
-def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = None, int8: str | None = None) -> Path:
+def export_onnx(
+    checkpoint: str | Path, output: str | Path, name: str | None = None, int8: str | None = None, float16: bool = False
+) -> Path:
     """Write `checkpoint`'s model (a fit checkpoint, an exported file or a bundled model's name) to the folder `output`
-    (the module's docstring); with `int8` ("step" or "all", `INT8`), those graphs quantized. Returns the folder."""
+    (the module's docstring); with `int8` ("step" or "all", `INT8`), those graphs quantized; with `float16`, the
+    weights of the others stored as float16 (`captioner.onnx_weights.store_float16`). Each weight is written once
+    (`captioner.onnx_weights.share`). Returns the folder."""
     if int8 is not None:
         check_choice("int8", int8, INT8)
     missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
@@ -240,11 +247,17 @@ def export_onnx(checkpoint: str | Path, output: str | Path, name: str | None = N
         "opset": OPSET,
         "torch": torch.__version__,
         "int8": int8,  # the quantized graphs' choice, or null
+        "float16": float16,  # whether the other graphs' weights are stored as float16
         "card": file.card,  # what a published model says of itself (`captioner.checkpoints.ModelFile.card`)
     }
     check(model, output, name)
     if int8 is not None:
         quantize(output, INT8[int8])
+    if float16:
+        for graph in GRAPHS:
+            if graph not in INT8.get(int8, ()):
+                store_float16(output / f"{graph}.onnx")
+    share(output, GRAPHS)
     write_text_atomically(output / CONFIG, json.dumps(config, indent=1, ensure_ascii=False))
     return output
 

@@ -7,6 +7,7 @@ FORMAT = 2  # the layout of captioner.json and the graphs (1: a step graph, sear
 CONFIG = "captioner.json"  # the vocabulary, the input, the grid and the search's defaults; written last, it marks
 # the folder complete
 GRAPHS = ("encoder", "start", "greedy", "beam")  # each as <name>.onnx
+WEIGHTS = "weights.bin"  # the weights that more than one graph holds, written once (ONNX external data)
 STATE = ("tokens", "h", "c", "scores", "lengths", "finished")  # a word graph's state: inputs, and outputs + "_out"
 INPUTS = {
     "encoder": ["images"],
