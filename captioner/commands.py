@@ -339,16 +339,28 @@ def evaluate(argv: list[str]) -> None:
 
 
 def export_model(argv: list[str]) -> None:
-    """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read), or, with
-    --format onnx, a folder of ONNX graphs that `captioner.onnx.Captioner` runs without PyTorch."""
+    """Write a small self-contained model file (what `Captioner.load` and `captioner caption` read); with --format
+    onnx, a folder of ONNX graphs that `captioner.onnx.Captioner` runs without PyTorch; with --format web, that folder
+    and a page that captions images in the browser with ONNX Runtime Web, for any static host (no server behind it)."""
     parser = _parser(export_model)
     _add_checkpoint(parser, "a checkpoint of `captioner fit`, a file of `captioner export`, or a bundled model's name")
-    parser.add_argument("--output", required=True, metavar="PATH", help="the model file (onnx: the folder) to write")
+    parser.add_argument(
+        "--output", required=True, metavar="PATH", help="the model file (onnx, web: the folder) to write"
+    )
     parser.add_argument(
         "--format",
-        choices=("model", "onnx"),
+        choices=("model", "onnx", "web"),
         default="model",
-        help="model: one file for torch; onnx: encoder, decoder start and step graphs and captioner.json",
+        help="model: one file for torch; onnx: the encoder's, the search's start and words' graphs, their shared "
+        "weights and captioner.json; web: the onnx folder and a static page that runs it in the browser (its own "
+        "format: a folder to publish, with a page, ONNX Runtime Web's place and example images, that "
+        "captioner.onnx still loads)",
+    )
+    parser.add_argument(
+        "--ort-dist",
+        metavar="DIR",
+        help="web: copy ONNX Runtime Web from this local onnxruntime-web/dist (npm's) into the folder, for hosting "
+        "offline; default: the page loads it from a CDN (jsDelivr), checked by its hash",
     )
     parser.add_argument(
         "--include-encoder",
@@ -359,8 +371,10 @@ def export_model(argv: list[str]) -> None:
     parser.add_argument(
         "--float16",
         action="store_true",
-        help="model: store the weights as float16 (half the file; loading computes in float32 from them)",
+        help="model, onnx: store the weights as float16 (half the file; the model computes in float32 from them); "
+        "web does by default",
     )
+    parser.add_argument("--float32", action="store_true", help="web: store the weights as float32")
     parser.add_argument(
         "--card",
         metavar="JSON",
@@ -374,10 +388,16 @@ def export_model(argv: list[str]) -> None:
         "convolutions too: slower on CPUs, and most captions change; docs/benchmarks.md)",
     )
     args = parser.parse_args(argv)
-    if args.int8 and args.format != "onnx":
-        raise ConfigError("--int8 is for --format onnx")
-    if (args.float16 or args.card) and args.format != "model":
-        raise ConfigError("--float16 and --card are for --format model (an ONNX export keeps the model's card)")
+    if args.int8 and args.format == "model":
+        raise ConfigError("--int8 is for --format onnx and web")
+    if args.card and args.format != "model":
+        raise ConfigError("--card is for --format model (an ONNX export keeps the model's card)")
+    if args.ort_dist and args.format != "web":
+        raise ConfigError("--ort-dist is for --format web")
+    if args.float32 and args.format != "web":
+        raise ConfigError("--float32 is for --format web (the others store float32 unless --float16)")
+    if args.float32 and args.float16:
+        raise ConfigError("--float16 or --float32, not both")
     card = None
     if args.card:
         try:
@@ -386,12 +406,20 @@ def export_model(argv: list[str]) -> None:
             raise ConfigError(f"{args.card}: not a readable JSON file ({err})") from None
         if not isinstance(card, dict):
             raise ConfigError(f"{args.card}: a card is a JSON object")
-    if args.format == "onnx":
+    if args.format in ("onnx", "web"):
         from captioner.onnx_export import export_onnx
+        from captioner.web_export import export_web, folder_size
 
-        folder = export_onnx(args.checkpoint, args.output, int8=args.int8)
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        print(f"wrote {folder}/ ({size / 2**20:.1f} MiB{f', int8: {args.int8}' if args.int8 else ''})")
+        if args.format == "onnx":
+            folder = export_onnx(args.checkpoint, args.output, int8=args.int8, float16=args.float16)
+        else:
+            folder = export_web(args.checkpoint, args.output, ort_dist=args.ort_dist, float16=not args.float32,
+                                int8=args.int8)  # fmt: skip
+        float16 = args.float16 or (args.format == "web" and not args.float32)
+        options = "".join([f", int8: {args.int8}" if args.int8 else "", ", float16" if float16 else ""])
+        print(f"wrote {folder}/ ({folder_size(folder) / 2**20:.1f} MiB{options})")
+        if args.format == "web":
+            print(f"serve it from any static host; to try it here: python -m http.server -d {folder}")
         return
     from captioner.checkpoints import export
 

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import logging
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -163,12 +164,18 @@ INT8 = {"step": ("greedy", "beam"), "all": ("encoder", "greedy", "beam")}  # --i
 
 
 def export_onnx(
-    checkpoint: str | Path, output: str | Path, name: str | None = None, int8: str | None = None, float16: bool = False
+    checkpoint: str | Path,
+    output: str | Path,
+    name: str | None = None,
+    int8: str | None = None,
+    float16: bool = False,
+    before_config: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `checkpoint`'s model (a fit checkpoint, an exported file or a bundled model's name) to the folder `output`
     (the module's docstring); with `int8` ("step" or "all", `INT8`), those graphs quantized; with `float16`, the
     weights of the others stored as float16 (`captioner.onnx_weights.store_float16`). Each weight is written once
-    (`captioner.onnx_weights.share`). Returns the folder."""
+    (`captioner.onnx_weights.share`). `before_config(folder)` writes what else the folder holds (an export for the
+    web: its site.json) before captioner.json, which marks the folder complete. Returns the folder."""
     if int8 is not None:
         check_choice("int8", int8, INT8)
     missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
@@ -258,6 +265,8 @@ def export_onnx(
             if graph not in INT8.get(int8, ()):
                 store_float16(output / f"{graph}.onnx")
     share(output, GRAPHS)
+    if before_config is not None:
+        before_config(output)
     write_text_atomically(output / CONFIG, json.dumps(config, indent=1, ensure_ascii=False))
     return output
 

@@ -14,12 +14,10 @@ says otherwise.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import queue
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -34,12 +32,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from captioner.api import Captioner, CaptionResult
 from captioner.data.images import ImageError, load_image
-from captioner.data.shapes import ShapesDataset
+from captioner.page import STATIC, example_images
 
 if TYPE_CHECKING:
     from captioner import onnx
 
-STATIC = Path(__file__).parent / "static"
 MAX_BEAM_SIZE = 10
 MULTIPART_SLACK = 2**16  # bytes of form fields and part headers allowed beside an image of the largest size
 MERGED = 2**20  # bytes of a request body handed on at a time
@@ -203,23 +200,6 @@ def answer(result: CaptionResult | onnx.CaptionResult) -> dict:
     }
 
 
-def example_images(card: dict, count: int = 4) -> dict[str, bytes]:
-    """The page's examples: the photos a model's card names (`examples`, paths from the repository's folder; the
-    bundled `ucm` names UCM test photos in docs/images/ucm/) where they are, else a few held-out shapes images (the
-    bundled `shapes` model's test split, as PNG files)."""
-    repository = Path(__file__).resolve().parent.parent
-    photos = [repository / name for name in card.get("examples", [])]
-    if photos and all(photo.is_file() for photo in photos):
-        return {photo.name: photo.read_bytes() for photo in photos}
-    split = ShapesDataset("test", count)
-    examples = {}
-    for index in range(count):
-        buffer = io.BytesIO()
-        split.load_image(index).save(buffer, format="PNG")
-        examples[f"shapes_{index}.png"] = buffer.getvalue()
-    return examples
-
-
 def create_app(
     captioner: Captioner | onnx.Captioner,
     max_upload_mb: float = 20,
@@ -227,8 +207,8 @@ def create_app(
     max_pixels: int = 25_000_000,
     timeout: float = 30,
 ) -> FastAPI:
-    """The FastAPI app: `GET /` (the page), `POST /api/caption`, `GET /healthz`, `GET /api/examples` and
-    `GET /examples/<name>` (the page's example images); `HEAD` wherever `GET` works.
+    """The FastAPI app: `GET /` (the page; its scripts, /page.js and /source.js), `POST /api/caption`, `GET /healthz`,
+    `GET /api/examples` and `GET /examples/<name>` (the page's example images); `HEAD` wherever `GET` works.
 
     Bounded against hostile clients: a body is read up to `max_upload_mb` (`BoundedBodies`), an image of more than
     `max_pixels` is refused from its header, big images are decoded reduced to twice the model's input size, and at
@@ -256,6 +236,15 @@ def create_app(
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
+
+    @app.api_route("/{name}.js", methods=["GET", "HEAD"], include_in_schema=False)
+    def script(name: str) -> Response:
+        # the page's scripts: its own, and where its captions come from (this server's API; an export for the web
+        # has the browser's captioner there instead)
+        files = {"page": "page.js", "source": "server.js"}
+        if name not in files:
+            return error(f"/{name}.js: not found", 404)
+        return FileResponse(STATIC / files[name], media_type="text/javascript")
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     def healthz() -> dict:
