@@ -431,7 +431,7 @@ def test_a_closed_connection_s_protocol_is_not_held_by_its_head_deadline():
 def test_the_page_s_examples_are_the_photos_a_model_s_card_names_else_shapes():
     """A model whose card names example photos (the bundled `ucm`: UCM test photos in docs/images/ucm/) shows them;
     another, or one whose photos are not there (an installed wheel has no docs/), shows held-out shapes images."""
-    from captioner.serve import example_images
+    from captioner.page import example_images
 
     photos = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "images" / "ucm").glob("*.jpg"))
     named = example_images({"examples": photos})

@@ -5,16 +5,25 @@ against `captioner.onnx.Captioner`'s on the same pixels."""
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import json
+import os
 import shutil
 import subprocess
+import threading
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from captioner.data.shapes import ShapesDataset
+from captioner.errors import ConfigError
 from captioner.onnx import search
-from tests.conftest import REPO
+from tests.conftest import REPO, run_main
 from tests.helpers import END, PAD, START, TableDecoder, random_decoder
 from tests.models.test_decoding import TRAP, WEAK
 from tests.test_onnx import NEVER_ENDS, TorchWords
@@ -120,3 +129,125 @@ def test_the_javascript_host_loop_is_the_python_one_call_by_call():
         assert result["scores"] == [float(np.float32(s)) for s in want.scores], i
         for got, alphas in zip(result["alphas"], want.alphas, strict=True):
             assert np.array_equal(np.array(got, np.float32).reshape(alphas.shape), alphas), i
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# npm's onnxruntime-web, as .ci/run installs it (npm install --prefix .web onnxruntime-web@<ORT_WEB>), or where
+# CAPTIONER_ORT_DIST says
+ORT_DIST = Path(os.environ.get("CAPTIONER_ORT_DIST", REPO / ".web" / "node_modules" / "onnxruntime-web" / "dist"))
+ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+
+
+@contextmanager
+def static_server(folder: Path, headers: dict[str, str]):
+    """`python -m http.server -d folder` on a loopback port, adding `headers` to each answer; yields its address."""
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def end_headers(self):
+            for name, value in headers.items():
+                self.send_header(name, value)
+            super().end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_page_loads_onnx_runtime_web_s_pinned_files_by_their_hashes(tmp_path):
+    """Without --ort-dist the page loads ONNX Runtime Web from the CDN at the pinned version, each file checked by
+    its hash; the hashes are those of npm's files at that version (checked where npm's package is here)."""
+    from captioner.web_export import CDN, ORT_FILES, ORT_WEB, integrity, ort_files
+
+    files = ort_files(tmp_path, None)
+    assert files["version"] == ORT_WEB and CDN.endswith(f"onnxruntime-web@{ORT_WEB}/dist/")
+    assert files["module"]["url"] == CDN + ORT_FILES["module"][0] and not (tmp_path / "ort").exists()
+    package = ORT_DIST.parent / "package.json"
+    if package.is_file() and json.loads(package.read_text())["version"] == ORT_WEB:
+        assert {kind: integrity(ORT_DIST / name) for kind, (name, _) in ORT_FILES.items()} == {
+            kind: digest for kind, (_, digest) in ORT_FILES.items()
+        }
+    with pytest.raises(ConfigError, match=rf"^--ort-dist {tmp_path}: no ort\.wasm\.bundle\.min\.mjs, ort-wasm-simd"):
+        ort_files(tmp_path / "site", tmp_path)
+
+
+@pytest.mark.ci
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install chromium)")
+@pytest.mark.skipif(not ORT_DIST.is_dir(), reason=f"no onnxruntime-web at {ORT_DIST} (npm install --prefix .web ...)")
+def test_the_exported_page_captions_in_chromium_with_the_python_captioner_s_words(capfd, tmp_path):
+    """`captioner export --format web` of the bundled model, served by a static server with and without cross-origin
+    isolation, in headless Chromium: the shipped test photos (shapes' test images, at the model's input size, so that
+    no resize differs) get the words `captioner.onnx.Captioner` gives on the same folder, at beam 1 and 3, with an
+    overlay per word; a file that is no image is one line in the page; the page says how many threads it runs on."""
+    from playwright.sync_api import sync_playwright
+
+    from captioner.onnx import Captioner
+    from captioner.web_export import ORT_FILES
+
+    site = tmp_path / "site"
+    ran = run_main(capfd, "export", "--ckpt_path", "shapes", "--format", "web", "--output", str(site),
+                   "--ort-dist", str(ORT_DIST))  # fmt: skip
+    assert ran.status == 0, ran.err
+    assert ran.out.startswith(f"wrote {site}/ (") and "float16" in ran.out
+    assert {name for name, _ in ORT_FILES.values()} == {file.name for file in (site / "ort").iterdir()}
+    python = Captioner(site)
+    photos = []
+    for index in range(3):
+        photo = tmp_path / f"shapes_{index}.png"
+        ShapesDataset("test", 3).load_image(index).resize((python.image_size,) * 2).save(photo)
+        photos.append(photo)
+    (tmp_path / "notes.txt").write_text("not a picture\n")
+    want = {beam: python.caption(photos, beam_size=beam) for beam in (1, 3)}
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=flags)
+        for headers in ({}, ISOLATION):
+            with static_server(site, headers) as address:
+                page = browser.new_page(viewport={"width": 1000, "height": 900})
+                page.goto(address)
+                threads = "one thread" if not headers else "threads (the page is cross-origin isolated)"
+                assert threads in page.text_content("#runtime")
+                for beam in (1, 3):
+                    page.fill("#beam", str(beam))
+                    for photo, expected in zip(photos, want[beam], strict=True):
+                        page.set_input_files("#file", str(tmp_path / "notes.txt"))  # clears the caption
+                        page.wait_for_function("document.getElementById('error').textContent.length > 0")
+                        assert page.text_content("#error") == "notes.txt: not an image file this browser can read"
+                        assert page.text_content("#caption") == ""
+                        page.set_input_files("#file", str(photo))
+                        page.wait_for_function("document.getElementById('caption').textContent.length > 0")
+                        assert page.text_content("#error") == ""
+                        assert page.text_content("#caption") == expected.text, (photo.name, beam)
+                        words = page.locator("#strip figure")
+                        assert [words.nth(i).text_content() for i in range(words.count())] == expected.tokens
+                        score = float(page.text_content("#score"))
+                        assert score == pytest.approx(expected.score, abs=1e-3), (photo.name, beam)
+                # the overlays: each word's attention darkens the picture where the model did not look
+                words.nth(0).hover()
+                shown = page.evaluate(OVERLAY)
+                picture = float(np.asarray(Image.open(photos[-1]).convert("RGB"), np.float64).mean())
+                assert shown["word"] == expected.tokens[0] and shown["brightness"] < 0.9 * picture, (shown, picture)
+                page.mouse.move(0, 0)
+                page.screenshot(path=str(tmp_path / f"page{'_isolated' if headers else ''}.png"), full_page=True)
+                if os.environ.get("CAPTIONER_SCREENSHOT"):  # how docs/images/web.png is made
+                    page.screenshot(path=os.environ["CAPTIONER_SCREENSHOT"], full_page=True)
+                page.close()
+        browser.close()
+    assert (tmp_path / "page.png").stat().st_size > 10_000
+
+
+# The word the big canvas shows, and its pixels' mean brightness (RGB)
+OVERLAY = """() => {
+  const big = document.getElementById("big");
+  const data = big.getContext("2d").getImageData(0, 0, big.width, big.height).data;
+  let total = 0;
+  for (let i = 0; i < data.length; i += 4) total += data[i] + data[i + 1] + data[i + 2];
+  return {word: document.getElementById("big-word").textContent, brightness: total / (data.length / 4 * 3)};
+}"""
