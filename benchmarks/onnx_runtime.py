@@ -1,11 +1,12 @@
-"""The ONNX export on ONNX Runtime against torch, and what int8 costs: the files' sizes; the latency of one 640x480 JPEG
-and of 64 at once, from file to caption (beam 3); and, on a test split read from files, the share of captions
-unchanged from torch's, BLEU-4 and CIDEr-D (pycocoevalcap's, on captioner's tokens; `captioner evaluate` tokenizes
-with the PTB tokenizer instead, so its figures differ a little).
+"""The ONNX export on ONNX Runtime against torch, and what float16 and int8 cost: the files' sizes; the latency of one
+640x480 JPEG and of 64 at once, from file to caption (beam 3); and, on a test split read from files, the share of
+captions unchanged from torch's (and from the float export's), BLEU-4 and CIDEr-D (pycocoevalcap's, on captioner's
+tokens; `captioner evaluate` tokenizes with the PTB tokenizer instead, so its figures differ a little).
 
 Forms: torch (`captioner.Captioner`, eager), and `captioner export --format onnx` run by `captioner.onnx.Captioner`
-(CPU execution provider, Pillow's resize): float, `--int8 step` (the decoder's weights) and `--int8 all` (the
-encoder's convolutions too); and the float export with `resize="exact"` (torchvision's pixels to the bit).
+(CPU execution provider, Pillow's resize): float, `--float16` (weights stored as float16), `--int8 step` (the
+decoder's weights) and `--int8 all` (the encoder's convolutions too); and the float export with `resize="exact"`
+(torchvision's pixels to the bit).
 
     python benchmarks/onnx_runtime.py             # the bundled model and its 500 test images
     python benchmarks/onnx_runtime.py --ucm-model checkpoints/ucm/best.ckpt --ucm-data data/ucm
@@ -45,17 +46,23 @@ from captioner.data.vocab import tokenize
 from captioner.metrics import coco_caption_scores
 from captioner.onnx import Captioner as OnnxCaptioner
 from captioner.onnx_export import export_onnx
+from captioner.web_export import folder_size
 
-INT8 = {"onnx, float": None, "onnx, int8 step": "step", "onnx, int8 all": "all"}
+EXPORTS = {
+    "onnx, float": {},
+    "onnx, float16": {"float16": True},  # weights stored as float16 (`captioner export --format web`'s default)
+    "onnx, int8 step": {"int8": "step"},
+    "onnx, int8 all": {"int8": "all"},
+}
 
 
 def exports(checkpoint: str, folder: Path) -> dict[str, Path | str]:
-    """The model's three ONNX exports (or, for one that fails, its error)."""
+    """The model's ONNX exports (or, for one that fails, its error)."""
     made: dict[str, Path | str] = {}
-    for form, int8 in INT8.items():
+    for form, options in EXPORTS.items():
         try:
             fail_if_asked(form)
-            made[form] = export_onnx(checkpoint, folder / form.replace(", ", "_").replace(" ", "_"), int8=int8)
+            made[form] = export_onnx(checkpoint, folder / form.replace(", ", "_").replace(" ", "_"), **options)
         except Exception as err:
             made[form] = "error: " + one_line(err)
     return made
@@ -193,8 +200,9 @@ def cuda_rows(out: Path | None, until: float | None, calls: int, folder: Path) -
 
 
 def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], paths, references, rows: Table):
-    """Captions of the split's files (beam 3) by each form: unchanged from torch's, BLEU-4, CIDEr-D."""
-    want = None
+    """Captions of the split's files (beam 3) by each form: unchanged from torch's and from the float export's, BLEU-4,
+    CIDEr-D."""
+    want, float_export = None, None
     for form, captioner in forms.items():
         row = {"model": model, "form": form, "files, MiB": sizes.get(form, "")}
         if isinstance(captioner, str):
@@ -202,15 +210,23 @@ def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], pa
             continue
 
         def measure(captioner=captioner, form=form) -> dict:
-            nonlocal want
+            nonlocal want, float_export
             got = [r.tokens for r in captioner.caption(paths, beam_size=3, batch_size=50)]
             if form == "torch, eager":
                 want = got
+            if form == "onnx, float":
+                float_export = got
+
+            def unchanged(reference: list | None) -> str:
+                if reference is None:
+                    return ""
+                return f"{sum(a == b for a, b in zip(reference, got, strict=True)) / len(got):.3f}"
+
             hypotheses = {i: " ".join(words) for i, words in enumerate(got)}
             scores = coco_caption_scores(hypotheses, references, meteor=False, tokenized=True)
-            unchanged = "" if want is None else f"{sum(a == b for a, b in zip(want, got, strict=True)) / len(got):.3f}"
             return {
-                "captions unchanged": unchanged,
+                "captions unchanged": unchanged(want),
+                "as the float export's": unchanged(float_export),
                 "BLEU-4": f"{scores['Bleu_4']:.4f}",
                 "CIDEr-D": f"{scores['CIDEr']:.4f}",
             }
@@ -225,7 +241,7 @@ def file_sizes(checkpoint: str, made: dict[str, Path | str]) -> dict[str, str]:
     made = {**made, "onnx, float, exact resize": made.get("onnx, float", "")}
     for form, folder in made.items():
         if not isinstance(folder, str):
-            sizes[form] = f"{sum(f.stat().st_size for f in folder.glob('*.onnx')) / 2**20:.1f}"
+            sizes[form] = f"{folder_size(folder) / 2**20:.1f}"
     return sizes
 
 

@@ -77,13 +77,23 @@ def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     latency = {row["form"]: row for row in rows(tmp_path / "onnx_latency.jsonl")}
     quality = {row["form"]: row for row in rows(tmp_path / "onnx_quality.jsonl")}
-    forms = ["torch, eager", "onnx, float", "onnx, float, exact resize", "onnx, int8 step", "onnx, int8 all"]
+    forms = [
+        "torch, eager",
+        "onnx, float",
+        "onnx, float, exact resize",
+        "onnx, float16",
+        "onnx, int8 step",
+        "onnx, int8 all",
+    ]
     assert list(latency) == list(quality) == forms
     assert latency["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
     assert all("1 image p50, ms" in latency[form] and "8 images, ms" in latency[form] for form in forms[:4])
     # the float export writes torch's captions (tests/test_onnx.py: word for word), so it scores the same
     assert quality["onnx, float, exact resize"]["captions unchanged"] == "1.000"
     assert quality["onnx, float, exact resize"]["CIDEr-D"] == quality["torch, eager"]["CIDEr-D"]
+    assert (
+        quality["onnx, float"]["as the float export's"] == "1.000" and quality["onnx, float16"]["as the float export's"]
+    )
     # the profile, phase by phase, for torch and the float export; the float export under each thread option
     profile = {row["form"]: row for row in rows(tmp_path / "onnx_profile.jsonl")}
     assert list(profile) == forms[:3]
