@@ -182,27 +182,33 @@ def test_the_page_loads_onnx_runtime_web_s_pinned_files_by_their_hashes(tmp_path
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (Debian: apt-get install chromium)")
 @pytest.mark.skipif(not ORT_DIST.is_dir(), reason=f"no onnxruntime-web at {ORT_DIST} (npm install --prefix .web ...)")
 def test_the_exported_page_captions_in_chromium_with_the_python_captioner_s_words(capfd, tmp_path):
-    """`captioner export --format web` of the bundled model, served by a static server with and without cross-origin
-    isolation, in headless Chromium: the shipped test photos (shapes' test images, at the model's input size, so that
-    no resize differs) get the words `captioner.onnx.Captioner` gives on the same folder, at beam 1 and 3, with an
-    overlay per word; a file that is no image is one line in the page; the page says how many threads it runs on."""
+    """`captioner export --format web` of a bundled model, served by a static server with and without cross-origin
+    isolation, in headless Chromium: test photos (shapes' test images, or with CAPTIONER_WEB_MODEL=ucm the shipped UCM
+    photos; at the model's input size, so that no resize differs) get the words `captioner.onnx.Captioner` gives on
+    the same folder, at beam 1 and 3, with an overlay per word; a file that is no image is one line in the page; the
+    page says how many threads it runs on."""
     from playwright.sync_api import sync_playwright
 
     from captioner.onnx import Captioner
     from captioner.web_export import ORT_FILES
 
+    model = os.environ.get("CAPTIONER_WEB_MODEL", "shapes")  # ucm: docs/images/web.png's model and photos
     site = tmp_path / "site"
-    ran = run_main(capfd, "export", "--ckpt_path", "shapes", "--format", "web", "--output", str(site),
+    ran = run_main(capfd, "export", "--ckpt_path", model, "--format", "web", "--output", str(site),
                    "--ort-dist", str(ORT_DIST))  # fmt: skip
     assert ran.status == 0, ran.err
     assert ran.out.startswith(f"wrote {site}/ (") and "float16" in ran.out
     assert {name for name, _ in ORT_FILES.values()} == {file.name for file in (site / "ort").iterdir()}
     python = Captioner(site)
+    size = (python.image_size,) * 2
+    if model == "ucm":
+        pictures = [Image.open(path).convert("RGB") for path in sorted((REPO / "docs/images/ucm").glob("*.jpg"))[:3]]
+    else:
+        pictures = [ShapesDataset("test", 3).load_image(index) for index in range(3)]
     photos = []
-    for index in range(3):
-        photo = tmp_path / f"shapes_{index}.png"
-        ShapesDataset("test", 3).load_image(index).resize((python.image_size,) * 2).save(photo)
-        photos.append(photo)
+    for index, picture in enumerate(pictures):
+        photos.append(tmp_path / f"photo_{index}.png")
+        picture.resize(size).save(photos[-1])
     (tmp_path / "notes.txt").write_text("not a picture\n")
     want = {beam: python.caption(photos, beam_size=beam) for beam in (1, 3)}
     flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
@@ -236,7 +242,7 @@ def test_the_exported_page_captions_in_chromium_with_the_python_captioner_s_word
                 assert shown["word"] == expected.tokens[0] and shown["brightness"] < 0.9 * picture, (shown, picture)
                 page.mouse.move(0, 0)
                 page.screenshot(path=str(tmp_path / f"page{'_isolated' if headers else ''}.png"), full_page=True)
-                if os.environ.get("CAPTIONER_SCREENSHOT"):  # how docs/images/web.png is made
+                if os.environ.get("CAPTIONER_SCREENSHOT"):  # how docs/images/web.png is made (README)
                     page.screenshot(path=os.environ["CAPTIONER_SCREENSHOT"], full_page=True)
                 page.close()
         browser.close()
