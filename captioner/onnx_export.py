@@ -160,6 +160,13 @@ def beam_state(model: ShowAttendTell, h: torch.Tensor, c: torch.Tensor, K: int) 
     return tokens, h, c, scores, torch.zeros(B, K, dtype=torch.long), torch.zeros(B, K, dtype=torch.bool)
 
 
+def require_onnx() -> None:
+    """An ONNX export needs the [onnx] extra: a one-line error naming what is missing, before any work."""
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"an ONNX export needs {', '.join(missing)}: {install_hint('onnx')}")
+
+
 INT8 = {"step": ("greedy", "beam"), "all": ("encoder", "greedy", "beam")}  # --int8's choices: the graphs quantized
 
 
@@ -178,9 +185,7 @@ def export_onnx(
     web: its site.json) before captioner.json, which marks the folder complete. Returns the folder."""
     if int8 is not None:
         check_choice("int8", int8, INT8)
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ConfigError(f"an ONNX export needs {', '.join(missing)}: {install_hint('onnx')}")
+    require_onnx()
     if int8 is not None:
         check_quantizer()
     name = name or str(checkpoint)

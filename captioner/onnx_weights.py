@@ -17,8 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from captioner.files import replace_atomically
 from captioner.onnx.layout import WEIGHTS
@@ -27,7 +25,7 @@ ALIGN = 64  # bytes: each weight starts at a multiple of it in weights.bin
 SMALLEST = 1024  # bytes: a smaller weight (a bias of a few values, a scalar) stays in its graph either way
 
 
-def _digest(tensor: TensorProto) -> str | None:
+def _digest(tensor) -> str | None:
     """The content of a weight (its type, shape and bytes) as a hash, or None for one not worth sharing."""
     if not tensor.raw_data or len(tensor.raw_data) < SMALLEST:
         return None
@@ -40,6 +38,9 @@ def share(folder: Path, graphs: tuple[str, ...]) -> int:
     """Rewrite `folder`'s graphs (`<graph>.onnx`) so that a weight two or more of them hold is read from `WEIGHTS`,
     written once. Returns the bytes saved. The graphs are rewritten each through a temporary file and renamed: a kill
     leaves each graph whole (the export's captioner.json, written after, is what marks the folder complete)."""
+    import onnx  # the [onnx] extra's, imported when an export runs (`export_onnx` says when it is missing)
+    from onnx import TensorProto, external_data_helper
+
     models = {graph: onnx.load(str(folder / f"{graph}.onnx")) for graph in graphs}
     holders = Counter(
         digest for model in models.values() for digest in {_digest(t) for t in model.graph.initializer} if digest
@@ -78,6 +79,9 @@ def share(folder: Path, graphs: tuple[str, ...]) -> int:
 def store_float16(path: Path) -> None:
     """Store the graph at `path`'s float32 weights (of `SMALLEST` bytes or more) as float16, each cast back to
     float32 by a `Cast` node under its old name, so that the nodes that read it are unchanged."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
     model = onnx.load(str(path))
     graph, casts = model.graph, []
     for index, tensor in enumerate(graph.initializer):

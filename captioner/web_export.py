@@ -24,8 +24,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import onnx
-
 from captioner.errors import ConfigError
 from captioner.files import replace_atomically, write_text_atomically
 from captioner.onnx.layout import CONFIG, GRAPHS, WEIGHTS
@@ -86,8 +84,9 @@ def export_web(
     folder `output` (the module's docstring); `float16` and `int8` as `captioner.onnx_export.export_onnx` takes them.
     Returns the folder."""
     from captioner.checkpoints import model_file, resolve
-    from captioner.onnx_export import export_onnx
+    from captioner.onnx_export import export_onnx, require_onnx
 
+    require_onnx()
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     (output / CONFIG).unlink(missing_ok=True)  # written last, by export_onnx: a kill leaves no folder that loads
@@ -123,6 +122,8 @@ def _site(ort: dict, examples: dict[str, bytes]):
 
 
 def _reads_weights(path: Path) -> bool:
+    import onnx
+
     model = onnx.load(str(path), load_external_data=False)
     return any(tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in model.graph.initializer)
 

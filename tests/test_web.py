@@ -257,3 +257,25 @@ OVERLAY = """() => {
   for (let i = 0; i < data.length; i += 4) total += data[i] + data[i + 1] + data[i + 2];
   return {word: document.getElementById("big-word").textContent, brightness: total / (data.length / 4 * 3)};
 }"""
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--ort-dist", "dist"], "--ort-dist is for --format web"),
+        (
+            ["--format", "onnx", "--float32"],
+            "--float32 is for --format web (the others store float32 unless --float16)",
+        ),
+        (["--format", "web", "--float16", "--float32"], "--float16 or --float32, not both"),
+        (["--int8", "step"], "--int8 is for --format onnx and web"),
+        (
+            ["--format", "web", "--card", "card.json"],
+            "--card is for --format model (an ONNX export keeps the model's card)",
+        ),
+    ],
+)
+def test_export_options_that_do_not_go_together_are_one_line_errors(capfd, tmp_path, args, error):
+    ran = run_main(capfd, "export", "--ckpt_path", "shapes", "--output", str(tmp_path / "out"), *args)
+    assert ran.status == 2 and ran.err.strip() == f"error: {error}", ran.err
+    assert not (tmp_path / "out").exists()
