@@ -19,24 +19,19 @@ measured; a form that fails is a row with its error.
 from __future__ import annotations
 
 import argparse
-import functools
-import http.server
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from common import REPO, Table, deadline, machine, out_folder, write_images
 
 from captioner import Captioner
 from captioner.onnx import Captioner as OnnxCaptioner
-from captioner.web_export import ORT_FILES, export_web, folder_size
+from captioner.web_export import ISOLATION, ORT_FILES, export_web, folder_size, static_server
 
-ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
 # In the page: its first caption (from the navigation's start, performance.now()'s origin), then `calls` more
 CAPTIONS = """async ([beam, calls]) => {
   const source = await import("./source.js");
@@ -50,26 +45,6 @@ CAPTIONS = """async ([beam, calls]) => {
   }
   return {first, later};
 }"""
-
-
-@contextmanager
-def static_server(folder: Path, headers: dict[str, str]):
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def end_headers(self):
-            for name, value in headers.items():
-                self.send_header(name, value)
-            super().end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def summary(first_ms: float, later_ms: list[float]) -> dict:
@@ -96,7 +71,7 @@ def page_rows(model: str, site: Path, chromium: str, calls: int, rows: Table) ->
                     try:
                         page.goto(address)
                         times = page.evaluate(CAPTIONS, [3, calls])
-                        threads = page.evaluate("globalThis.crossOriginIsolated ? navigator.hardwareConcurrency : 1")
+                        threads = page.evaluate("crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency) : 1")
                     finally:
                         page.close()
                 return {"threads": threads, **summary(times["first"], times["later"])}

@@ -20,8 +20,13 @@ same-origin` and `Cross-Origin-Embedder-Policy: require-corp`), on one otherwise
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from captioner.errors import ConfigError
@@ -130,3 +135,30 @@ def _reads_weights(path: Path) -> bool:
 
 def folder_size(folder: Path) -> int:
     return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+
+
+# The headers that make a page cross-origin isolated, where ONNX Runtime Web may run on several threads
+ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+
+
+@contextmanager
+def static_server(folder: Path, headers: dict[str, str] | None = None) -> Iterator[str]:
+    """`python -m http.server -d folder` on a free loopback port, in a thread, adding `headers` (`ISOLATION`, say) to
+    each answer; yields its address. For trying an export here (the tests and benchmarks/browser.py serve with it)."""
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def end_headers(self):
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            super().end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()

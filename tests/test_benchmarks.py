@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -112,3 +113,20 @@ def test_resize_py_measures_both_forms_and_a_form_that_fails_is_a_row(tmp_path):
     assert forms["torchvision (v2.Resize)"]["error"].startswith("RuntimeError: made to fail")
     numpy = forms["numpy (captioner.onnx.resize)"]
     assert numpy["ms"] > 0 and numpy["peak extra, MiB"] >= 0 and numpy["photo, MiB (uint8)"] == 0.3
+
+
+@pytest.mark.ci
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium on this machine (apt-get install chromium)")
+@pytest.mark.skipif(not (REPO / ".web").is_dir(), reason="no onnxruntime-web in .web/ (npm install --prefix .web ...)")
+def test_browser_py_measures_the_page_beside_python_and_a_form_that_fails_is_a_row(tmp_path):
+    result = run("benchmarks/browser.py", "--models=shapes", "--smoke", f"--out={tmp_path}", timeout=600,
+                 fail=("torch, eager",))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (size,) = rows(tmp_path / "browser_size.jsonl")
+    assert float(size["folder"]) > float(size["ONNX Runtime Web"]) > 0
+    speed = {row["form"]: row for row in rows(tmp_path / "browser_latency.jsonl")}
+    assert list(speed) == ["browser, not isolated", "browser, cross-origin isolated",
+                           "captioner.onnx (ONNX Runtime, Python)", "torch, eager"]  # fmt: skip
+    assert speed["browser, not isolated"]["threads"] == 1 <= speed["browser, cross-origin isolated"]["threads"]
+    assert all(float(row["first caption, ms"]) > float(row["later p50, ms"]) > 0 for row in list(speed.values())[:3])
+    assert speed["torch, eager"]["error"].startswith("RuntimeError: made to fail")

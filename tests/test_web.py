@@ -5,14 +5,10 @@ against `captioner.onnx.Captioner`'s on the same pixels."""
 from __future__ import annotations
 
 import base64
-import functools
-import http.server
 import json
 import os
 import shutil
 import subprocess
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +19,7 @@ from PIL import Image
 from captioner.data.shapes import ShapesDataset
 from captioner.errors import ConfigError
 from captioner.onnx import search
+from captioner.web_export import ISOLATION, static_server
 from tests.conftest import REPO, run_main
 from tests.helpers import END, PAD, START, TableDecoder, random_decoder
 from tests.models.test_decoding import TRAP, WEAK
@@ -135,30 +132,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # npm's onnxruntime-web, as .ci/run installs it (npm install --prefix .web onnxruntime-web@<ORT_WEB>), or where
 # CAPTIONER_ORT_DIST says
 ORT_DIST = Path(os.environ.get("CAPTIONER_ORT_DIST", REPO / ".web" / "node_modules" / "onnxruntime-web" / "dist"))
-ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
-
-
-@contextmanager
-def static_server(folder: Path, headers: dict[str, str]):
-    """`python -m http.server -d folder` on a loopback port, adding `headers` to each answer; yields its address."""
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def end_headers(self):
-            for name, value in headers.items():
-                self.send_header(name, value)
-            super().end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_the_page_loads_onnx_runtime_web_s_pinned_files_by_their_hashes(tmp_path):
