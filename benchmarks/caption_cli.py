@@ -8,45 +8,28 @@ Each command runs three times; the table gives the fastest run and its peak resi
 
 from __future__ import annotations
 
-import argparse
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import Table, machine, out_folder
+from common.harness import Script, in_own_process
 
 from captioner.data.shapes import ShapesDataset
 
 IMAGES = 128
 
 
-# `captioner caption ...`, which reports its own peak resident memory (KiB) on its last line of stderr as it exits
-COMMAND = """
-import atexit, resource, sys
-atexit.register(lambda: print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
-from captioner.cli import main
-main(sys.argv[1:])
-"""
-
-
 def run(*args: str) -> tuple[float, float]:
     """Seconds and peak resident MiB of one `captioner caption` process."""
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", COMMAND, "caption", *args], capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
-    return seconds, int(result.stderr.split()[-1]) / 1024
+    child = in_own_process(["-m", "captioner.cli", "caption", *args])
+    if child.status != 0:
+        raise RuntimeError((child.output.strip().splitlines() or ["failed"])[-1])
+    return child.seconds, child.peak_mib
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="a folder for the table's rows (caption_cli.jsonl as measured, caption_cli.md)")
-    options = parser.parse_args()
-    print(f"# caption_cli.py on {machine()}")
-    rows = Table("caption_cli", "`captioner caption`, the fastest of 3 runs each", out_folder(options.out))
+    script = Script(__file__, __doc__)
+    script.start()
+    rows = script.table("caption_cli", "`captioner caption`, the fastest of 3 runs each")
     with tempfile.TemporaryDirectory() as folder:
         test = ShapesDataset("test", IMAGES, seed=0)
         for i in range(IMAGES):
@@ -64,7 +47,7 @@ def main() -> None:
                 }
 
             rows.measure({"command": f"captioner caption ({name})"}, measure)
-    rows.finish()
+    script.finish()
 
 
 if __name__ == "__main__":

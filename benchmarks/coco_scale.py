@@ -23,32 +23,31 @@ The data are written under --folder (default: a temporary folder, removed).
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
-from common import COCO, Table, machine, out_folder, write_split
+from common.harness import Script, in_own_process, python_result
+from common.synthetic import COCO, write_split
 
 SETUP = """
-import json, resource, sys, time
+import json, sys, time
 start = time.perf_counter()
 from captioner.data.datamodules import CocoDataModule
 module = CocoDataModule(sys.argv[1], format="karpathy", min_word_count=5, max_vocab_size=10000)
 imported = time.perf_counter()
 module.setup(sys.argv[2])
-print(json.dumps({"seconds": time.perf_counter() - imported, "import": imported - start,
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vocab": len(module.vocab)}))
+print("result: " + json.dumps({"seconds": time.perf_counter() - imported, "import": imported - start,
+                              "vocab": len(module.vocab)}))
 """
 
 
 SCST = """
-import inspect, json, resource, sys, time
+import inspect, json, sys, time
 from captioner.cider import CiderD
 from captioner.data.datamodules import CocoDataModule
 module = CocoDataModule(sys.argv[1], format="karpathy", min_word_count=5, max_vocab_size=10000)
@@ -58,16 +57,14 @@ start = time.perf_counter()
 # What SCST's setup makes (captioner.objectives.SelfCritical); a checkout from before the file had no cache_dir
 cached = "cache_dir" in inspect.signature(CiderD).parameters
 CiderD(references, cache_dir=module.data_dir) if cached else CiderD(references)
-print(json.dumps({"seconds": time.perf_counter() - start, "import": 0.0,
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vocab": len(module.vocab)}))
+print("result: " + json.dumps({"seconds": time.perf_counter() - start, "import": 0.0, "vocab": len(module.vocab)}))
 """
 
 
 def setup_run(root: Path, stage: str, script: str = SETUP) -> dict:
-    result = subprocess.run([sys.executable, "-c", script, str(root), stage], capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(result.stderr)
-    return json.loads(result.stdout.splitlines()[-1])
+    """`script` in a process of its own: what it measured, and the process's peak resident memory."""
+    child = in_own_process(["-c", script, str(root), stage])
+    return python_result(child) | {"peak_mib": child.peak_mib}
 
 
 ROWS = {  # the feature cache's row of one image: (P, E), dtype
@@ -75,6 +72,12 @@ ROWS = {  # the feature cache's row of one image: (P, E), dtype
     "paper": ((196, 2048), np.float16),  # configs/coco_resnet101.yaml, a pretrained encoder
     "paper32": ((196, 2048), np.float32),  # the same, annotations beyond float16's range (fit.py's untrained encoder)
 }
+
+
+def endless(loader):
+    """The loader's batches, epoch after epoch: as many as a measurement takes (a small or capped split has few)."""
+    while True:
+        yield from loader
 
 
 def loader_rate(
@@ -86,7 +89,8 @@ def loader_rate(
     the host's wait for the device; the compiled step on one GPU takes about 6 ms a batch)."""
     import torch
 
-    from captioner.data.datamodules import CocoDataModule, _Inputs
+    from captioner.data.datamodules import CocoDataModule
+    from captioner.data.inputs import Inputs
 
     module = CocoDataModule(str(root), format="karpathy", min_word_count=5, max_vocab_size=10000, num_workers=0)
     module.setup("fit")
@@ -105,10 +109,8 @@ def loader_rate(
     with path.open("rb") as file:  # read once in order: the timed reads find it in the page cache, as in training
         while file.read(1 << 26):
             pass
-    inputs = _Inputs.__new__(_Inputs)
-    inputs.source, inputs.transform, inputs.bad, inputs.key = dataset.source, None, set(), "annotations"
-    inputs.cache, inputs._tensor = np.load(path, mmap_mode="r"), None
-    dataset.inputs = inputs
+    rows_file = SimpleNamespace(kind="feature cache", bad=(), dir=root, load=lambda: np.load(path, mmap_mode="r"))
+    dataset.inputs = Inputs(dataset.source, None, features=rows_file)  # the random rows stand for the cache
     if rows < len(dataset.source):  # only the cached images' items
         keep = [i for i, (image, _) in enumerate(dataset.items) if image < rows]
         dataset.items = [dataset.items[i] for i in keep]
@@ -117,12 +119,7 @@ def loader_rate(
     for prefetch in (0, module.prefetch):
         module.prefetch = prefetch
         loader = module._loader("train", shuffle=True)
-
-        def epochs(loader):  # as many epochs as the batches take (a capped cache has few)
-            while True:
-                yield from loader
-
-        iterator = epochs(loader)
+        iterator = endless(loader)
         for _ in range(20):  # warm up: the first batches fault the rows' pages in
             next(iterator)
         waited, start = 0.0, time.perf_counter()
@@ -198,7 +195,7 @@ def image_cache_rates(root: Path, batches: int = 60, workers: int = 2) -> dict[s
             ]
             result["levels"] = float(np.mean(levels))
         torch.manual_seed(0)
-        iterator = iter(loader)
+        iterator = endless(loader)
         for _ in range(3):  # the workers start
             next(iterator)
         start = time.perf_counter()
@@ -212,17 +209,21 @@ def image_cache_rates(root: Path, batches: int = 60, workers: int = 2) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=float, default=0.05, help="a fraction of COCO's size (1: full size)")
-    parser.add_argument("--cache-rows", type=int, default=None, help="cap the loader's cache at this many images")
-    parser.add_argument("--rows", choices=sorted(ROWS), default="lite0", help="the loader's cache rows (see ROWS)")
-    parser.add_argument("--loader-only", action="store_true", help="leave out the setup table")
-    parser.add_argument("--no-image-cache", action="store_true", help="leave out the paper model's image cache")
-    parser.add_argument("--folder", help="where to write the data (default: a temporary folder)")
-    parser.add_argument("--out", help="a folder for the setup table's rows (coco_scale.jsonl as measured)")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__)
+    script.option("--size", type=float, default=0.05, help="a fraction of COCO's size (1: full size)")
+    script.option("--cache-rows", type=int, default=None, help="cap the loader's cache at this many images")
+    script.option("--rows", choices=sorted(ROWS), default="lite0", help="the loader's cache rows (see ROWS)")
+    script.option("--loader-only", action="store_true", help="leave out the setup table")
+    script.option("--no-image-cache", action="store_true", help="leave out the paper model's image cache")
+    script.option("--folder", help="where to write the data (default: a temporary folder)")
+    options = script.start()
     counts = {split: max(1, round(n * options.size)) for split, n in COCO.items()}
-    print(f"# coco_scale.py on {machine()}: {counts}\n", flush=True)
+    print(f"images: {counts}", flush=True)
+    setups = script.table("coco_scale", f"setup at {options.size:g} of COCO's size (import time excluded)")
+    shape, dtype = ROWS[options.rows]
+    title = f"the training loader: batches of 64 from a feature cache of {'x'.join(map(str, shape))} "
+    loader = script.table("coco_scale_loader", title + f"{np.dtype(dtype).name} rows ({options.rows}), main process")
+    images = script.table("coco_scale_image_cache", "configs/coco_resnet101.yaml's image cache, 2 loader workers")
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(options.folder or temporary).resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -233,44 +234,52 @@ def main() -> None:
         for made in [*root.glob("vocab-*.json"), *root.glob("splits/*.npz")]:
             made.unlink()  # the first setup builds them: the vocabulary, the encoded splits
         shutil.rmtree(root / "image_cache", ignore_errors=True)  # its build is timed
-        title = f"setup at {options.size:g} of COCO's size (import time excluded)"
-        rows = Table("coco_scale", title, out_folder(options.out))
         for cached in root.glob("cider-*.npz"):
             cached.unlink()  # the first SCST setup counts the document frequencies
         runs = [("fit, first", "fit", SETUP), ("fit, again", "fit", SETUP), ("test", "test", SETUP)]
         runs += [("SCST's CIDEr-D, first", "", SCST), ("SCST's CIDEr-D, again", "", SCST)]
-        for name, stage, script in [] if options.loader_only else runs:
-            record = setup_run(root, stage, script)
-            rows.add(
-                {
-                    "setup": name,
+        for name, stage, code in [] if options.loader_only else runs:
+
+            def setup(stage=stage, code=code) -> dict:
+                record = setup_run(root, stage, code)
+                return {
                     "seconds": f"{record['seconds']:.1f}",
                     "peak memory, MiB": f"{record['peak_mib']:.0f}",
                     "vocabulary": record["vocab"],
                 }
-            )
-        loader = loader_rate(root, options.cache_rows, options.rows)
-        images = None if options.no_image_cache else image_cache_rates(root)
-    if rows.rows:
-        rows.finish()
-    shape, dtype = ROWS[options.rows]
-    print(
-        f"\ntraining loader ({loader['rows']} images' rows cached, {'x'.join(map(str, shape))} "
-        f"{np.dtype(dtype).name}: {options.rows}): {loader['rate']:.0f} batches of 64/s read when asked, in the "
-        f"main process; read ahead by its thread (prefetch {loader['prefetch']}), the main process waits "
-        f"{loader['wait_ms']:.3f} ms a batch between steps of {loader['step_ms']:g} ms "
-        f"({1000 / max(loader['wait_ms'], 1e-9):,.0f} batches/s of its own time)"
-    )
-    if images:
-        print(
-            f"\nimage cache (configs/coco_resnet101.yaml: {images['size']}x{images['size']} JPEG quality 95): built in "
-            f"{images['build_s']:.0f} s ({images['images'] / images['build_s']:.0f} images/s), {images['gib']:.2f} GiB "
-            f"for {images['images']} images; a pixel moves {images['levels']:.2f} levels of 255 on average.\n"
-            f"training batches a second, 2 loader workers, no encoder: the config's ({images['batch_size']} images x "
-            f"{images['k']} captions) {images['config']:.1f}/s ({images['config_captions']:.0f} captions/s); 64 images "
-            f"with a caption each, {images['cache_rate']:.1f}/s from the cache, {images['file_rate']:.1f}/s from the "
-            f"original files"
-        )
+
+            setups.measure({"setup": name}, setup)
+        loader.measure({"cache rows": options.cache_rows or "all"}, lambda: loader_row(root, options))
+        if not options.no_image_cache:
+            images.measure({"size": "the training split"}, lambda: image_cache_row(root))
+    script.finish()
+
+
+def loader_row(root: Path, options) -> dict:
+    loader = loader_rate(root, options.cache_rows, options.rows)
+    return {
+        "images' rows": loader["rows"],
+        "batches/s, read when asked": f"{loader['rate']:.0f}",
+        f"wait a batch between steps of {loader['step_ms']:g} ms, read ahead (prefetch {loader['prefetch']})":
+            f"{loader['wait_ms']:.3f} ms",
+        "batches/s of its own time, read ahead": f"{1000 / max(loader['wait_ms'], 1e-9):,.0f}",
+    }  # fmt: skip
+
+
+def image_cache_row(root: Path) -> dict:
+    images = image_cache_rates(root)
+    return {
+        "JPEG (quality 95)": f"{images['size']}x{images['size']}",
+        "built, s": f"{images['build_s']:.0f}",
+        "images/s built": f"{images['images'] / images['build_s']:.0f}",
+        "GiB": f"{images['gib']:.2f}",
+        "images": images["images"],
+        "a pixel moves, levels of 255": f"{images['levels']:.2f}",
+        f"the config's batches/s ({images['batch_size']} images x {images['k']} captions)": f"{images['config']:.1f}",
+        "its captions/s": f"{images['config_captions']:.0f}",
+        "64 images a batch, batches/s from the cache": f"{images['cache_rate']:.1f}",
+        "from the original files": f"{images['file_rate']:.1f}",
+    }
 
 
 if __name__ == "__main__":

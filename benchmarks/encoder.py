@@ -3,17 +3,16 @@ trained and with their BatchNorms folded into the convolutions (`Encoder.fold_ba
 
     python benchmarks/encoder.py
 
-Random weights (the speed does not depend on them). Each figure is the median of 5 timed batches after 2 untimed;
-the two forms take turns, three rounds each, and the table gives the median round.
+Random weights (the speed does not depend on them). The two forms take turns batch by batch, 15 timed batches each
+after 2 untimed; each figure is the median.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from common import Table, machine, out_folder, timed
+from common.harness import Script, take_turns
 
 from captioner.models.encoder import Encoder
 
@@ -21,30 +20,27 @@ BATCH = 32
 
 
 def rates(backbone: str, images: torch.Tensor) -> dict:
-    """Images/s of the encoder as trained and with its BatchNorms folded, taking turns over three rounds (medians)."""
+    """Images/s of the encoder as trained and with its BatchNorms folded, taking turns batch by batch (medians)."""
     plain = Encoder(backbone, pretrained=False).eval()
     folded = Encoder(backbone, pretrained=False).eval()
     folded.load_state_dict(plain.state_dict())
     folded.fold_batchnorm()
-    measured = {"as trained": [], "folded": []}
     with torch.inference_mode():
-        for _ in range(3):
-            for name, encoder in (("as trained", plain), ("folded", folded)):
-                measured[name].append(BATCH / timed(lambda e=encoder: e(images), calls=5, warmup=2))
-    before, after = (statistics.median(measured[name]) for name in measured)
+        measured = take_turns({"as trained": lambda: plain(images), "folded": lambda: folded(images)}, 15, warmup=2)
+    if errors := [error for error in measured.values() if isinstance(error, BaseException)]:
+        raise errors[0]
+    before, after = (BATCH / statistics.median(seconds) for seconds in measured.values())
     return {"as trained": f"{before:.1f}", "BatchNorm folded": f"{after:.1f}", "gain": f"{after / before:.2f}x"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="a folder for the table's rows (encoder.jsonl as measured, encoder.md)")
-    options = parser.parse_args()
-    print(f"# encoder.py on {machine()}")
-    rows = Table("encoder", f"images/s, batches of {BATCH} at 224x224", out_folder(options.out))
+    script = Script(__file__, __doc__)
+    script.start()
+    rows = script.table("encoder", f"images/s, batches of {BATCH} at 224x224")
     images = torch.randn(BATCH, 3, 224, 224)
     for backbone in ("efficientnet_lite0", "resnet50"):
         rows.measure({"backbone": backbone}, lambda backbone=backbone: rates(backbone, images))
-    rows.finish()
+    script.finish()
 
 
 if __name__ == "__main__":

@@ -11,15 +11,14 @@ taking turns; the table gives the faster.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import yaml
-from common import Table, machine, out_folder
+from common.harness import Script, one_line, take_turns, timings
 
 from captioner.data.datamodules import ShapesDataModule
 from captioner.lit_module import CaptioningModule
@@ -27,7 +26,8 @@ from captioner.lit_module import CaptioningModule
 MODEL = yaml.safe_load((Path(__file__).parent.parent / "configs" / "shapes.yaml").read_text())["model"]
 
 
-def fit_epoch(data_dir: str, feature_cache: bool) -> float:
+def epoch(data_dir: str, feature_cache: bool) -> Callable[[], None]:
+    """One epoch's fit, made ready (the data, the model, the Trainer), so that timing its call times the epoch."""
     L.seed_everything(0, verbose=False)
     data = ShapesDataModule(data_dir, 256, 16, 16, batch_size=64, num_workers=2, feature_cache=feature_cache)
     model = CaptioningModule(data.vocab_tokens, **MODEL)
@@ -40,29 +40,27 @@ def fit_epoch(data_dir: str, feature_cache: bool) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    return time.perf_counter() - start
+    return lambda: trainer.fit(model, datamodule=data)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="a folder for the table's rows (epoch.jsonl as measured, epoch.md)")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__)
+    script.start()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # the Trainer's own messages
-    print(f"# epoch.py on {machine()}")
-    rows = Table("epoch", "one epoch of configs/shapes.yaml's model, 256 images, seconds", out_folder(options.out))
+    rows = script.table("epoch", "one epoch of configs/shapes.yaml's model, 256 images, seconds")
     with tempfile.TemporaryDirectory() as data_dir:
-        build = fit_epoch(data_dir, feature_cache=True)  # builds the cache, then trains
+        build = timings(epoch(data_dir, feature_cache=True), calls=1, warmup=0)[0]  # builds the cache, then trains
         rows.add({"epoch": "first epoch: building the cache, then training", "seconds": f"{build:.1f}"})
-        times = {"annotations from the cache": [], "encoder at every step": []}
-        for _ in range(2):  # taking turns; the faster of each
-            for name in times:
-                times[name].append(fit_epoch(data_dir, feature_cache=name.startswith("annotations")))
-    uncached = min(times["encoder at every step"])
+        ready = {"annotations from the cache": True, "encoder at every step": False}
+        ready = {name: iter([epoch(data_dir, cache), epoch(data_dir, cache)]) for name, cache in ready.items()}
+        times = take_turns({name: lambda fits=fits: next(fits)() for name, fits in ready.items()}, calls=2, warmup=0)
+    uncached = times["encoder at every step"]
     for name, seconds in times.items():
-        rows.add({"epoch": name, "seconds": f"{min(seconds):.1f}", "speed-up": f"{uncached / min(seconds):.1f}x"})
-    rows.finish()
+        if isinstance(seconds, BaseException) or isinstance(uncached, BaseException):
+            rows.add({"epoch": name, "error": one_line(seconds if isinstance(seconds, BaseException) else uncached)})
+            continue
+        rows.add({"epoch": name, "seconds": f"{min(seconds):.1f}", "speed-up": f"{min(uncached) / min(seconds):.1f}x"})
+    script.finish()
 
 
 if __name__ == "__main__":

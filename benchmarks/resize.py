@@ -14,15 +14,11 @@ Rows are printed, and written to --out, as they are measured; a form that fails 
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import Table, machine, out_folder
+from common.harness import Script, in_own_process, python_result
 from PIL import Image
 
 FORMS = ("numpy (captioner.onnx.resize)", "Pillow (Image.resize)", "torchvision (v2.Resize)")
@@ -57,8 +53,8 @@ for _ in range(repeats):
     out = run(pixels)
     times.append(time.perf_counter() - start)
 peak = high_water()
-print(json.dumps({"ms": 1000 * statistics.median(times), "extra_mib": (peak - before) / 1024,
-                  "shape": list(out.shape)}))
+print("result: " + json.dumps({"ms": 1000 * statistics.median(times), "extra_mib": (peak - before) / 1024,
+                              "shape": list(out.shape)}))
 """
 
 
@@ -75,25 +71,18 @@ def photo(path: Path, width: int, height: int) -> Path:
 
 
 def measure(form: str, path: Path, size: int, repeats: int) -> dict:
-    repo = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-c", MEASURE, form, str(path), str(size), str(repeats)]
-    ran = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
-    if ran.returncode != 0:
-        raise RuntimeError((ran.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(ran.stdout.strip().splitlines()[-1])
+    """`form`'s resize in a process of its own, which measures its own peak (the resize's growth of it)."""
+    return python_result(in_own_process(["-c", MEASURE, form, str(path), str(size), str(repeats)], 600, peak=False))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--size", type=int, default=224, help="the model's input side")
-    parser.add_argument("--smoke", action="store_true", help="a 400x300 photo, two calls")
-    parser.add_argument("--out", help="folder for the table's .jsonl and .md")
-    args = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="a 400x300 photo, two calls: checks the script only")
+    script.option("--repeats", type=int, default=5, help="timed calls of each resize")
+    script.option("--size", type=int, default=224, help="the model's input side")
+    args = script.start()
     width, height = (400, 300) if args.smoke else (4000, 3000)
     repeats = 2 if args.smoke else args.repeats
-    title = f"Resize of one {width}x{height} JPEG to {args.size}x{args.size}, bicubic ({machine()})"
-    table = Table("resize", title, out_folder(args.out))
+    table = script.table("resize", f"Resize of one {width}x{height} JPEG to {args.size}x{args.size}, bicubic")
     photo_mib = width * height * 3 / 2**20
     with tempfile.TemporaryDirectory() as folder:
         with Image.open(photo(Path(folder) / "photo.jpg", width, height)) as image:
@@ -102,7 +91,7 @@ def main() -> None:
         for form in FORMS:
             row = {"form": form, "photo, MiB (uint8)": round(photo_mib, 1)}
             table.measure(row, lambda form=form: rounded(measure(form, path, args.size, repeats), photo_mib))
-    table.finish()
+    script.finish()
 
 
 def rounded(result: dict, photo_mib: float) -> dict:
