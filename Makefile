@@ -33,7 +33,7 @@ lint: install  ## ruff lint and format check
 	$(BIN)/ruff format --check .
 
 bench: install  ## run every script in benchmarks/ in turn (the tables of docs/benchmarks.md); keep the machine idle
-	cd benchmarks && for script in $$(ls *.py | grep -v '^common.py$$'); do \
+	cd benchmarks && for script in *.py; do \
 		echo "== python $$script"; start=$$(date +%s); ../$(BIN)/python $$script || exit 1; \
 		echo "== $$script: $$(( $$(date +%s) - start )) s"; echo; \
 	done

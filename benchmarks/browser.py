@@ -18,15 +18,14 @@ measured; a form that fails is a row with its error.
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Table, deadline, machine, out_folder, write_images
+from common.harness import REPO, Script, Table, latency, timings
+from common.synthetic import write_images
 
 from captioner import Captioner
 from captioner.onnx import Captioner as OnnxCaptioner
@@ -47,13 +46,8 @@ CAPTIONS = """async ([beam, calls]) => {
 }"""
 
 
-def summary(first_ms: float, later_ms: list[float]) -> dict:
-    later = sorted(later_ms)
-    return {
-        "first caption, ms": f"{first_ms:.0f}",
-        "later p50, ms": f"{statistics.median(later):.1f}",
-        "later p95, ms": f"{later[min(len(later) - 1, round(0.95 * (len(later) - 1)))]:.1f}",
-    }
+def summary(first_s: float, later_s: list[float]) -> dict:
+    return {"first caption, ms": f"{1000 * first_s:.0f}", **latency(later_s, "later ")}
 
 
 def page_rows(model: str, site: Path, chromium: str, calls: int, rows: Table) -> None:
@@ -74,7 +68,7 @@ def page_rows(model: str, site: Path, chromium: str, calls: int, rows: Table) ->
                         threads = page.evaluate("crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency) : 1")
                     finally:
                         page.close()
-                return {"threads": threads, **summary(times["first"], times["later"])}
+                return {"threads": threads, **summary(times["first"] / 1000, [t / 1000 for t in times["later"]])}
 
             rows.measure({"model": model, "form": form}, measure)
         browser.close()
@@ -91,36 +85,24 @@ def python_rows(model: str, checkpoint: str, site: Path, photo: Path, calls: int
             start = time.perf_counter()
             captioner = load()
             captioner.caption([photo], beam_size=3)
-            first = 1000 * (time.perf_counter() - start)
-            later = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                captioner.caption([photo], beam_size=3)
-                later.append(1000 * (time.perf_counter() - start))
-            return summary(first, later)
+            first = time.perf_counter() - start
+            return summary(first, timings(lambda: captioner.caption([photo], beam_size=3), calls, warmup=0))
 
         rows.measure({"model": model, "form": form}, measure)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="shapes,ucm", help="bundled models (or checkpoints), comma-separated")
-    parser.add_argument("--ort-dist", default=str(REPO / ".web" / "node_modules" / "onnxruntime-web" / "dist"))
-    parser.add_argument("--calls", type=int, default=20, help="later captions timed per form")
-    parser.add_argument("--smoke", action="store_true", help="a few calls: checks the script only")
-    parser.add_argument("--out", help="a folder for the tables' rows (browser_*.jsonl as measured, browser_*.md)")
-    parser.add_argument("--budget", type=float, help="seconds: a form not started by then is a row that says so")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="a few calls: checks the script only", budget=True)
+    script.option("--models", default="shapes,ucm", help="bundled models (or checkpoints), comma-separated")
+    script.option("--ort-dist", default=str(REPO / ".web" / "node_modules" / "onnxruntime-web" / "dist"))
+    script.option("--calls", type=int, default=20, help="later captions timed per form")
+    options = script.start()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         sys.exit("no chromium on this machine (Debian: apt-get install chromium)")
     calls = 3 if options.smoke else options.calls
-    out, until = out_folder(options.out), deadline(options.budget)
-    print(f"# browser.py on {machine()}", flush=True)
-    if options.smoke:
-        print("# smoke run: not a measurement", flush=True)
-    sizes = Table("browser_size", "the web folder (`captioner export --format web --ort-dist`), MiB", out, until)
-    speed = Table("browser_latency", f"a 640x480 JPEG, beam 3, CPU: the first caption, then {calls} more", out, until)
+    sizes = script.table("browser_size", "the web folder (`captioner export --format web --ort-dist`), MiB")
+    speed = script.table("browser_latency", f"a 640x480 JPEG, beam 3, CPU: the first caption, then {calls} more")
     with tempfile.TemporaryDirectory() as tmp:
         photo = write_images(Path(tmp) / "photo", [], distinct=1)[0]
         for model in options.models.split(","):
@@ -131,11 +113,10 @@ def main() -> None:
             shutil.copy(photo, site / "photo.jpg")
             page_rows(model, site, chromium, calls, speed)
             python_rows(model, model, site, photo, calls, speed)
-    sizes.finish()
-    speed.finish()
+    script.finish()
 
 
-def folder_sizes(model: str, site: Path, options: argparse.Namespace) -> dict:
+def folder_sizes(model: str, site: Path, options) -> dict:
     export_web(model, site, ort_dist=options.ort_dist)
     ort = sum((site / "ort" / name).stat().st_size for name, _ in ORT_FILES.values())
     total = folder_size(site)

@@ -18,7 +18,7 @@ Tables:
   `check_every=16`), each with whether its captions are the eager search's.
 
 A random decoder never writes <end>, so every image gets 16 words. Each figure is a median of timed calls after
-untimed ones (for the compiled forms, the calls that compile); forms measured together take turns, over three rounds.
+untimed ones (for the compiled forms, the calls that compile); forms measured together take turns call by call.
 Compiled forms use CUDA graphs on CUDA (mode="reduce-overhead", as `Captioner` does) and Inductor on a CPU; with
 --smoke, Dynamo's graphs under tests/cuda_graphs.py's stand-in (a CUDA graph's output lifetimes, no code generated).
 Each row is printed, and written to --out, as soon as it is measured; a form that fails is a row with its error.
@@ -26,30 +26,15 @@ Each row is printed, and written to --out, as soon as it is measured; a form tha
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import itertools
 import statistics
 import sys
 from collections.abc import Callable
 
 import torch
-from common import (
-    REPO,
-    SIZES,
-    SPECIAL,
-    TINY,
-    Table,
-    annotations,
-    deadline,
-    fail_if_asked,
-    machine,
-    one_line,
-    out_folder,
-    random_decoder,
-    timed,
-    tutorial_beam_search,
-)
+from common.harness import Script, one_line, take_turns, timed
+from common.synthetic import SIZES, SPECIAL, TINY, annotations, random_decoder
+from common.tutorial import tutorial_beam_search
 
 from captioner.models.beam_search import beam_search
 from captioner.models.decoding import greedy_search
@@ -69,34 +54,19 @@ def search(decoder, a: torch.Tensor, beam: int, **options):
     return beam_search(decoder, a, beam_size=beam, max_len=MAX_LEN, **options, **SPECIAL)
 
 
-def in_turns(forms: dict[str, Callable[[], object]], calls: int, rounds: int, device) -> dict[str, float | str]:
-    """The median seconds a call of each form takes, the forms taking turns over `rounds` rounds (a slow spell of the
-    machine hits them all) after two untimed calls each (which compile the compiled ones); a form that raises is
-    left out of later rounds, and its entry is its error."""
-    results: dict[str, list[float] | str] = {}
-    for name, fn in forms.items():
-        try:
-            fail_if_asked(name)
-            fn(), fn()
-            results[name] = []
-        except Exception as err:
-            results[name] = "error: " + one_line(err)
-    for _ in range(rounds):
-        for name, fn in forms.items():
-            if isinstance(results[name], list):
-                try:
-                    results[name].append(timed(fn, calls, warmup=0, device=device))
-                except Exception as err:
-                    results[name] = "error: " + one_line(err)
-    return {name: statistics.median(r) if isinstance(r, list) else r for name, r in results.items()}
+def in_turns(forms: dict[str, Callable[[], object]], calls: int, device) -> dict[str, float | BaseException]:
+    """The median seconds a call of each form takes, over 3 x `calls` calls, the forms taking turns call by call after
+    two untimed calls each (which compile the compiled ones); a form that fails, its error."""
+    seconds = take_turns(forms, 3 * calls, warmup=2, device=device)
+    return {name: s if isinstance(s, BaseException) else statistics.median(s) for name, s in seconds.items()}
 
 
-def per_second(seconds: float | str, images: int) -> str:
-    return seconds if isinstance(seconds, str) else f"{images / seconds:.1f}"
+def per_second(seconds: float | BaseException, images: int) -> str:
+    return f"error: {one_line(seconds)}" if isinstance(seconds, BaseException) else f"{images / seconds:.1f}"
 
 
-def default_table(sizes: dict, device, calls: dict, out, until) -> None:
-    rows = Table("default", "images/s, this device's default search", out, until)
+def default_table(script: Script, sizes: dict, device, calls: dict) -> None:
+    rows = script.table("default", "images/s, this device's default search")
     for (size, dims), beam in itertools.product(sizes.items(), (1, 3)):
         decoder = random_decoder(dims).to(device)
 
@@ -113,7 +83,7 @@ def default_table(sizes: dict, device, calls: dict, out, until) -> None:
     rows.finish()
 
 
-def bundled_table(name: str, title: str, forms: dict[str, tuple], device, calls: dict, out, until) -> None:
+def bundled_table(script: Script, name: str, title: str, forms: dict[str, tuple], device, calls: dict) -> None:
     """The bundled model on 64 shapes test images, searched in each of `forms` (name -> the model and generate's
     options), taking turns; the last form against the first."""
     from captioner import Captioner
@@ -124,7 +94,7 @@ def bundled_table(name: str, title: str, forms: dict[str, tuple], device, calls:
     transform = model.encoder.preprocessing.transforms()
     with torch.inference_mode():
         a = model.annotate(torch.stack([transform(test.load_image(i)) for i in range(len(test))]).to(device))
-    rows = Table(name, f"{title}, images/s, median of 3 rounds", out, until)
+    rows = script.table(name, f"{title}, images/s, the median call, the forms taking turns")
     for beam, batch in itertools.product((1, 3), (1, 64)):
         images = [a[i : i + 1] for i in range(64)] if batch == 1 else [a]  # one call per image, or one for all
 
@@ -134,10 +104,10 @@ def bundled_table(name: str, title: str, forms: dict[str, tuple], device, calls:
                 calls_of = itertools.cycle(images)
                 fns[form] = lambda m=m, c=calls_of, o=options: m.generate(annotations=next(c), beam_size=beam, **o)
             with torch.inference_mode():
-                medians = in_turns(fns, calls[batch], 3, device)
+                medians = in_turns(fns, calls[batch], device)
             row = {form: per_second(seconds, batch) for form, seconds in medians.items()}
             first, last = medians[next(iter(forms))], medians[list(forms)[-1]]
-            if not isinstance(first, str) and not isinstance(last, str):
+            if not isinstance(first, BaseException) and not isinstance(last, BaseException):
                 row["ratio"] = f"{first / last:.2f}x"
             return row
 
@@ -145,8 +115,9 @@ def bundled_table(name: str, title: str, forms: dict[str, tuple], device, calls:
     rows.finish()
 
 
-def random_compiled_table(sizes: dict, device, calls: dict, out, until) -> None:
-    rows = Table("random_compiled", "images/s: eager (this device's default search) and compiled", out, until)
+def random_compiled_table(script: Script, sizes: dict, device, calls: dict) -> None:
+    title = "images/s: eager (this device's default search) and compiled, the median call, taking turns"
+    rows = script.table("random_compiled", title)
     for size, dims in sizes.items():
         eager = random_decoder(dims).to(device)
         compiled = random_decoder(dims).to(device).compile_search(**compile_options(device))
@@ -157,23 +128,23 @@ def random_compiled_table(sizes: dict, device, calls: dict, out, until) -> None:
                 forms = {"eager (default)": lambda: search(eager, a, beam)}
                 forms["compiled"] = lambda: search(compiled, a, beam)
                 with torch.inference_mode():
-                    medians = in_turns(forms, calls[batch], 3, device)
+                    medians = in_turns(forms, calls[batch], device)
                 row = {form: per_second(seconds, batch) for form, seconds in medians.items()}
-                if not any(isinstance(s, str) for s in medians.values()):
+                if not any(isinstance(s, BaseException) for s in medians.values()):
                     row["gain"] = f"{medians['eager (default)'] / medians['compiled']:.2f}x"
                 return row
 
             rows.measure({"sizes": size, "search": "greedy" if beam == 1 else f"beam {beam}", "batch": batch}, measure)
-    rows.finish(", median of 3 rounds")
+    rows.finish()
 
 
-def tutorial_table(dims: tuple, sizes: str, device, calls: dict, out, until) -> None:
+def tutorial_table(script: Script, dims: tuple, sizes: str, device, calls: dict) -> None:
     """Beam 3 at `dims`: the tutorial's search against captioner's forms, at batch 1 and 64 (one row per form,
     measured one form at a time so that a failing one costs only its row)."""
     decoder = random_decoder(dims).to(device)
     compiled = random_decoder(dims).to(device).compile_search(**compile_options(device))
     images = annotations(dims, 64).to(device)
-    rows = Table("tutorial", f"beam 3, images/s at the {sizes} sizes ({MAX_LEN} words an image)", out, until)
+    rows = script.table("tutorial", f"beam 3, images/s at the {sizes} sizes ({MAX_LEN} words an image)")
     with torch.inference_mode():
         reference = search(decoder, images, 3, sync_free=True).tokens
 
@@ -221,36 +192,25 @@ def tutorial_table(dims: tuple, sizes: str, device, calls: dict, out, until) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a call or two: checks the script only")
-    parser.add_argument("--out", help="a folder for each table's rows (<table>.jsonl as measured, <table>.md)")
-    parser.add_argument("--budget", type=float, help="seconds: forms not started by then become rows that say so")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="tiny sizes, a call or two: checks the script only", budget=True)
+    script.option("--tables", default=",".join(TABLES), help=f"comma-separated, of {', '.join(TABLES)}")
+    options = script.start()
     tables = options.tables.split(",")
     if unknown := set(tables) - set(TABLES):
-        parser.error(f"no table named {', '.join(sorted(unknown))}")
+        script.parser.error(f"no table named {', '.join(sorted(unknown))}")
     device = torch.device("cuda" if torch.cuda.is_available() and not options.smoke else "cpu")
-    out, until = out_folder(options.out), deadline(options.budget)
     sizes = {"tiny": TINY} if options.smoke else SIZES
     calls = {1: 1, 64: 1} if options.smoke else {1: 20, 64: 3} if device.type == "cuda" else {1: 9, 64: 5}
-    print(f"# decode.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
-    stand_in = contextlib.nullcontext()
-    if options.smoke:  # compiled forms as CUDA graphs would treat them, without generating code
-        sys.path.insert(0, str(REPO))
-        from tests.cuda_graphs import cuda_graph_stand_in
-
-        stand_in = cuda_graph_stand_in()
-    with stand_in:
+    with script.compiled_forms():
         if "default" in tables:
-            default_table(sizes, device, calls, out, until)
+            default_table(script, sizes, device, calls)
         if "sync_free" in tables:
             forms = {"shrinking": {"sync_free": False}, "sync-free": {"sync_free": True, "check_every": 8}}
             from captioner import Captioner
 
             model = Captioner.load("shapes", device=device).model
             title = "the bundled model on 64 shapes test images: shrinking (the CPU's default), sync-free (CUDA's)"
-            bundled_table("sync_free", title, {k: (model, o) for k, o in forms.items()}, device, calls, out, until)
+            bundled_table(script, "sync_free", title, {k: (model, o) for k, o in forms.items()}, device, calls)
         if "compiled" in tables:
             from captioner import Captioner
 
@@ -259,12 +219,13 @@ def main() -> None:
                 "compile_decoder": (Captioner.load("shapes", device=device, compile_decoder=True).model, {}),
             }
             title = "the bundled model on 64 shapes test images: eager and compile_decoder"
-            bundled_table("compiled", title, forms, device, calls, out, until)
+            bundled_table(script, "compiled", title, forms, device, calls)
         if "random_compiled" in tables:
-            random_compiled_table(sizes, device, calls, out, until)
+            random_compiled_table(script, sizes, device, calls)
         if "tutorial" in tables:
             dims, name = (TINY, "tiny") if options.smoke else (SIZES["paper"], "paper's")
-            tutorial_table(dims, name, device, calls, out, until)
+            tutorial_table(script, dims, name, device, calls)
+    script.finish()
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ run measured to COCO's size where it grows with the data.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +49,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import COCO, REPO, Table, machine, out_folder, synchronize, write_split
+from common.harness import REPO, Script, Table, in_own_process, synchronize
+from common.synthetic import COCO, write_split
 from lightning.pytorch.callbacks import Callback
 
 START = time.perf_counter()  # in the fit's process: imported as its config is read, before the data are read
@@ -318,7 +317,7 @@ with cuda_graph_stand_in("eager"):
 def fit_command(root: Path, smoke: bool, *extra: str) -> list[str]:
     """`captioner fit --config configs/coco_resnet101.yaml` on the data in `root`, with this script's changes (its
     docstring says why) and `extra` arguments."""
-    cli = [sys.executable, "-c", SMOKE_CLI, str(REPO)] if smoke else [sys.executable, "-m", "captioner.cli"]
+    cli = ["-c", SMOKE_CLI, str(REPO)] if smoke else ["-m", "captioner.cli"]
     command = [
         *cli,
         "fit",
@@ -351,7 +350,7 @@ def run_fit(root: Path, smoke: bool, rows: Path) -> dict:
     paths = [str(Path(__file__).resolve().parent)]
     paths += [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    status = subprocess.run(fit_command(root, smoke, *extra), cwd=root, env=env).returncode
+    status = in_own_process(fit_command(root, smoke, *extra), cwd=root, env=env, echo=True, peak=False).status
     result = json.loads(record.read_text()) if record.exists() else {"phases": {}, "epochs": []}
     waits, profile = root / "waits.json", root / "profile.txt"
     result["waits"] = json.loads(waits.read_text()) if waits.exists() else None
@@ -382,12 +381,10 @@ def projection(record: dict, counts: dict[str, int]) -> dict | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fraction", type=float, default=1.0, help="of COCO's training images (val: 5,000 always)")
-    parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU: checks the script only")
-    parser.add_argument("--folder", help="where to write the data and run (default: a temporary folder, removed)")
-    parser.add_argument("--out", help="a folder for the rows (fit.jsonl as measured, fit.md), waits and profile")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="tiny, on the CPU: checks the script only")
+    script.option("--fraction", type=float, default=1.0, help="of COCO's training images (val: 5,000 always)")
+    script.option("--folder", help="where to write the data and run (default: a temporary folder, removed)")
+    options = script.start()
     if not options.smoke and not torch.cuda.is_available():
         print("fit.py: no CUDA device here; it measures a GPU's fit (--smoke checks the script on a CPU)")
         return
@@ -396,9 +393,9 @@ def main() -> None:
     else:
         counts = {split: round(n * options.fraction) for split, n in COCO.items() if split in ("train", "restval")}
         counts |= {"val": COCO["val"], "test": COCO["test"]}
-    out = out_folder(options.out)
-    print(f"# fit.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}: {counts}", flush=True)
-    rows = Table("fit", "`captioner fit --config configs/coco_resnet101.yaml`", out)
+    print(f"images: {counts}", flush=True)
+    out = script.out
+    rows = script.table("fit", "`captioner fit --config configs/coco_resnet101.yaml`")
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(options.folder or temporary).resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -436,7 +433,7 @@ def main() -> None:
                 text = record[name] if isinstance(record[name], str) else json.dumps(record[name], indent=1)
                 (out / f"fit_{name}.{'txt' if name == 'profile' else 'json'}").write_text(text)
     size = "smoke run" if options.smoke else f"at {options.fraction:g} of COCO's training images"
-    rows.finish(f", {size}, 2 epochs (the fit's exit status: {record['status']})")
+    script.finish(f", {size}, 2 epochs (the fit's exit status: {record['status']})")
     if record["status"]:
         sys.exit(record["status"])
 

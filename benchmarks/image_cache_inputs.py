@@ -20,14 +20,13 @@ over the images. The encoder: pretrained EfficientNet-Lite0 (the bundled model's
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import Table, machine, out_folder
+from common.harness import Script
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop, v2
 
@@ -106,17 +105,15 @@ def compare(encoder: Encoder, got: list[torch.Tensor], want: list[torch.Tensor])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", help="a folder of images (default: scikit-image's photos)")
-    parser.add_argument("--limit", type=int, default=210, help="at most this many of the folder's images")
-    parser.add_argument("--sizes", default="224,448", help="the encoder's input sizes, comma-separated")
-    parser.add_argument("--out", help="a folder for the table's rows (image_cache_inputs.jsonl as measured)")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__)
+    script.option("--images", help="a folder of images (default: scikit-image's photos)")
+    script.option("--limit", type=int, default=210, help="at most this many of the folder's images")
+    script.option("--sizes", default="224,448", help="the encoder's input sizes, comma-separated")
+    options = script.start()
     images = photos(options.images, options.limit)
-    sizes = sorted({image.size for image in images})
-    print(f"# image_cache_inputs.py on {machine()}: {len(images)} images of {len(sizes)} sizes", flush=True)
+    print(f"{len(images)} images of {len({image.size for image in images})} sizes", flush=True)
     title = f"the model's inputs from the image cache against from the files, {len(images)} images"
-    rows = Table("image_cache_inputs", title, out_folder(options.out))
+    rows = script.table("image_cache_inputs", title)
     for size in map(int, options.sizes.split(",")):
         torch.manual_seed(0)
         encoder = Encoder("efficientnet_lite0", image_size=size).eval()
@@ -124,7 +121,7 @@ def main() -> None:
         for name, (got, want) in forms.items():
             row = {"input size": size, "form": name}
             rows.measure(row, lambda got=got, want=want, encoder=encoder: compare(encoder, got, want))
-    rows.finish()
+    script.finish()
 
 
 if __name__ == "__main__":

@@ -1,127 +1,102 @@
 """One image from file to caption, as `Captioner.caption` does it for a script or the server: a 640x480 JPEG read,
-decoded, resized, encoded, searched (beam 3) and its words decoded. Latency p50 and p95 over one-at-a-time calls, and
-images/s one at a time, for the bundled model and a model at the paper's sizes (ResNet-101 at 448 pixels pooled to
-14x14x2048, a 512-d decoder, 10,000 words; untrained: the speed is the same), eager, with `compile_decoder=True`, and
-with `compile_encoder=True` as well.
+decoded, resized, encoded, searched (beam 3) and its words decoded, in each form captioner runs in. Latency p50 and
+p95 over one-at-a-time calls and the images a second they make, and the time of 64 images captioned at once.
 
-    python benchmarks/one_image.py                    # on this machine's device (CUDA when present)
-    python benchmarks/one_image.py --models shapes    # the bundled model only (on a CPU the paper's takes minutes)
-    python benchmarks/one_image.py --smoke            # a few calls; compiled forms under tests/cuda_graphs.py
+Forms (--forms: forms or the groups torch, onnx and all, separated by |; default all):
+- torch, eager; torch, compiled (`compile_decoder=True`); torch, compiled, encoder too (`compile_encoder=True` too);
+- onnx, float; onnx, float, exact resize; onnx, float16; onnx, int8 step; onnx, int8 all: `captioner export --format
+  onnx` (with `--float16`, `--int8 step`, `--int8 all`) run by `captioner.onnx.Captioner`, with Pillow's resize (the
+  default) or torchvision's pixels to the bit (`resize="exact"`); on CUDA, ONNX Runtime's CUDA execution provider
+  (onnxruntime-gpu; without it, a row that says "not measured").
 
-Each model's first calls (which compile, for the compiled rows) are not timed. A model's forms take turns, call by
-call; its rows are printed, and written to --out, when its turns end. A form that fails is a row with its error.
+Models (--models): the bundled `shapes` and `ucm`, a checkpoint or model file, or `paper`: an untrained model at the
+paper's sizes (ResNet-101 at 448 pixels pooled to 14x14x2048, a 512-d decoder, 10,000 words; the speed is the same),
+in torch's forms only (it has no file to export).
+
+    python benchmarks/one_image.py                                   # both bundled models, every form
+    python benchmarks/one_image.py --models shapes,paper --forms torch --batch 0   # benchmarks/gpu_check.py's
+    python benchmarks/one_image.py --smoke                           # a few calls; compiled forms under a stand-in
+
+A model's forms take turns call by call, after three untimed calls each (which compile the compiled forms); then the
+64 images, three calls each in turn after one untimed. ONNX Runtime's threads do not spin between calls (the
+default of `captioner.onnx`), so a form's calls do not slow the next one's. Rows are printed, and written to --out,
+as each model's turns end; a form that fails is a row with its error. With --smoke: compiled forms as CUDA graphs
+would treat them (tests/cuda_graphs.py's stand-in, no code generated).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import REPO, Table, deadline, fail_if_asked, machine, one_line, out_folder, write_images
-
-from captioner import Captioner
-from captioner.data.vocab import Vocabulary
-from captioner.models.show_attend_tell import ShowAttendTell
+from common.forms import PAPER, TORCH, captioners, forms_named
+from common.harness import Script, latency, one_line, take_turns
+from common.synthetic import write_images
 
 
-def paper_model() -> tuple[ShowAttendTell, Vocabulary]:
-    torch.manual_seed(0)
-    vocab = Vocabulary(f"w{i}" for i in range(10_000 - len(Vocabulary.SPECIALS)))
-    sizes = {"embed_dim": 512, "decoder_dim": 512, "attention_dim": 512}
-    special = {"pad_index": vocab.pad_index, "start_index": vocab.start_index, "end_index": vocab.end_index}
-    model = ShowAttendTell(len(vocab), "resnet101", pretrained=False, grid_size=14, image_size=448, **sizes, **special)
-    return model, vocab
+def measure_model(model: str, forms: list[str], device, images: dict, calls: int, folder: Path) -> dict[str, dict]:
+    """Each form's columns: one image's latency, then the batch's time; a form that fails, its error."""
+    built, _ = captioners(model, forms, device, folder)
+    ready = {form: c for form, c in built.items() if not isinstance(c, BaseException)}
+    columns: dict[str, dict] = {form: {"error": one_line(c)} for form, c in built.items() if form not in ready}
 
+    def calls_of(files: list[Path]) -> dict:
+        return {form: lambda c=c: c.caption(files, beam_size=3, batch_size=len(files)) for form, c in ready.items()}
 
-FORMS = {
-    "eager": {},
-    "compiled": {"compile_decoder": True},
-    "compiled, encoder too": {"compile_decoder": True, "compile_encoder": True},
-}
-
-
-def captioner(name: str, options: dict) -> Captioner:
-    if name == "shapes":
-        return Captioner.load("shapes", **options)
-    return Captioner(*paper_model(), **options)
-
-
-def latencies(name: str, image: Path, calls: int) -> dict[str, list[float] | str]:
-    """Seconds of each of `calls` calls per form, the forms taking turns; a form that fails, its error instead."""
-    models: dict[str, Captioner] = {}
-    seconds: dict[str, list[float] | str] = {}
-    for form, options in FORMS.items():
-        try:
-            fail_if_asked(form)
-            models[form] = captioner(name, options)
-            for _ in range(3):  # warm up: compiles the compiled search's runs of words and the encoder's graph
-                models[form].caption(image, beam_size=3)
-            seconds[form] = []
-        except Exception as err:
-            seconds[form] = "error: " + one_line(err)
-    for _ in range(calls):
-        for form, model in models.items():
-            if isinstance(seconds[form], str):
-                continue
-            try:
-                start = time.perf_counter()
-                model.caption(image, beam_size=3)  # its caption is copied to the host: the device has finished
-                seconds[form].append(time.perf_counter() - start)
-            except Exception as err:
-                seconds[form] = "error: " + one_line(err)
-    return seconds
+    one = take_turns(calls_of([images["one"]]), calls, warmup=3, device=device)
+    batch = take_turns(calls_of(images["batch"]), 3, warmup=1, device=device) if images["batch"] else {}
+    for form in ready:
+        if isinstance(one[form], BaseException):
+            columns[form] = {"error": one_line(one[form])}
+            continue
+        columns[form] = latency(one[form], "1 image ")
+        columns[form]["images/s one at a time"] = f"{len(one[form]) / sum(one[form]):.1f}"
+        if form in batch and isinstance(batch[form], BaseException):
+            columns[form]["error"] = f"{len(images['batch'])} images: {one_line(batch[form])}"
+        elif form in batch:
+            median = sorted(batch[form])[len(batch[form]) // 2]
+            columns[form] |= {f"{len(images['batch'])} images, ms": f"{1000 * median:.0f}",
+                              "images/s at once": f"{len(images['batch']) / median:.1f}"}  # fmt: skip
+    return {form: columns[form] for form in forms if form in columns}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few calls: checks the script only")
-    parser.add_argument("--calls", type=int, default=50, help="timed calls per model")
-    parser.add_argument("--models", default="shapes,paper", help="comma-separated: shapes (the bundled), paper")
-    parser.add_argument("--out", help="a folder for the table's rows (one_image.jsonl as measured, one_image.md)")
-    parser.add_argument("--budget", type=float, help="seconds: a model not started by then is a row that says so")
-    options = parser.parse_args()
-    calls = 3 if options.smoke else options.calls
-    print(f"# one_image.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
-    title = f"one 640x480 JPEG from file to caption, beam 3, {calls} calls each"
-    rows = Table("one_image", title, out_folder(options.out), deadline(options.budget))
-    stand_in = contextlib.nullcontext()
-    if options.smoke:  # compiled forms as CUDA graphs would treat them, without generating code
-        sys.path.insert(0, str(REPO))
-        from tests.cuda_graphs import cuda_graph_stand_in
-
-        stand_in = cuda_graph_stand_in()
-    with stand_in, tempfile.TemporaryDirectory() as folder:
-        image = write_images(Path(folder), [], distinct=1)[0]  # 640x480
-        for name in options.models.split(","):
-            if rows.deadline is not None and time.monotonic() > rows.deadline:
-                measured = {form: "error: not run: the part's time budget was spent" for form in FORMS}
+    script = Script(__file__, __doc__, smoke="a few calls and 8 images: checks the script only", budget=True)
+    script.option("--models", default="shapes,ucm", help="bundled models, checkpoints or `paper`, comma-separated")
+    script.option("--forms", default="all", help="forms or groups (torch, onnx, all), separated by |")
+    script.option("--calls", type=int, default=50, help="timed one-image calls per form")
+    script.option("--batch", type=int, default=64, help="images captioned at once (0: not measured)")
+    script.option("--device", choices=("cpu", "cuda"), help="default: CUDA where there is one")
+    script.option("--table", default="one_image", help="the table's name (its files' under --out)")
+    options = script.start()
+    forms = forms_named(options.forms)
+    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    calls, batch = (3, min(options.batch, 8)) if options.smoke else (options.calls, options.batch)
+    title = f"one 640x480 JPEG from file to caption, beam 3, {device.type}: {calls} calls each, taking turns"
+    rows = script.table(options.table, title + (f"; {batch} at once, the median of 3 calls" if batch else ""))
+    with script.compiled_forms(), tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        images = {"one": write_images(folder / "one", [], distinct=1)[0]}
+        images["batch"] = write_images(folder / "batch", [], distinct=batch) if batch else []
+        for model in options.models.split(","):
+            chosen = [form for form in forms if model != PAPER or form in TORCH]
+            if device.type == "cuda" and not torch.cuda.is_available():
+                measured = {form: {"error": "not measured: no CUDA device"} for form in chosen}
+            elif script.deadline is not None and time.monotonic() > script.deadline:
+                measured = {form: {"error": "not run: the part's time budget was spent"} for form in chosen}
             else:
                 try:
-                    measured = latencies(name, image, calls)
-                except Exception as err:
-                    measured = {form: "error: " + one_line(err) for form in FORMS}
-            for form, seconds in measured.items():
-                row = {"model": name, "form": form}
-                if isinstance(seconds, str):
-                    rows.add({**row, "error": seconds.removeprefix("error: ")})
-                    continue
-                ms = sorted(1000 * s for s in seconds)
-                rows.add(
-                    {
-                        **row,
-                        "p50, ms": f"{statistics.median(ms):.1f}",
-                        "p95, ms": f"{ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]:.1f}",
-                        "images/s one at a time": f"{len(ms) / (sum(ms) / 1000):.1f}",
-                    }
-                )
-    rows.finish()
+                    measured = measure_model(model, chosen, device, images, calls, folder / model.replace("/", "_"))
+                except Exception as err:  # a model that cannot be loaded: each of its forms a row that says why
+                    measured = {form: {"error": one_line(err)} for form in chosen}
+            for form, values in measured.items():
+                rows.add({"model": model, "form": form, **values})
+    script.finish()
 
 
 if __name__ == "__main__":
+    torch.set_grad_enabled(False)
     sys.exit(main())

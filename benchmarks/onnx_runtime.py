@@ -1,7 +1,9 @@
-"""The ONNX export on ONNX Runtime against torch, and what float16 and int8 cost: the files' sizes; the latency of one
-640x480 JPEG and of 64 at once, from file to caption (beam 3); and, on a test split read from files, the share of
-captions unchanged from torch's (and from the float export's), BLEU-4 and CIDEr-D (pycocoevalcap's, on captioner's
-tokens; `captioner evaluate` tokenizes with the PTB tokenizer instead, so its figures differ a little).
+"""What the ONNX export costs and where its time goes: on a test split read from files, each form's captions beside
+torch's (the share unchanged, and unchanged from the float export's), BLEU-4 and CIDEr-D (pycocoevalcap's, on
+captioner's tokens; `captioner evaluate` tokenizes with the PTB tokenizer instead, so its figures differ a little),
+with the files' size; one JPEG's time phase by phase (read, resize, encoder, start, search, and `caption()` whole),
+for torch and the float export; and the float export's latency under ONNX Runtime's thread options (`threads`,
+`spinning`: `captioner.onnx.runtime.session_options`). The forms' latency, beside torch's compiled ones: one_image.py.
 
 Forms: torch (`captioner.Captioner`, eager), and `captioner export --format onnx` run by `captioner.onnx.Captioner`
 (CPU execution provider, Pillow's resize): float, `--float16` (weights stored as float16), `--int8 step` (the
@@ -9,25 +11,17 @@ decoder's weights) and `--int8 all` (the encoder's convolutions too); and the fl
 (torchvision's pixels to the bit).
 
     python benchmarks/onnx_runtime.py             # the bundled model and its 500 test images
-    python benchmarks/onnx_runtime.py --ucm-model checkpoints/ucm/best.ckpt --ucm-data data/ucm
-                                                  # and a model fitted with configs/ucm.yaml, on UCM's test split
+    python benchmarks/onnx_runtime.py --ucm-model ucm --ucm-data data/ucm
+                                                  # and the bundled ucm (or a checkpoint fitted with configs/ucm.yaml)
+                                                  # on UCM's test split
+    python benchmarks/onnx_runtime.py --tables profile,threads   # some tables only
     python benchmarks/onnx_runtime.py --smoke     # a few images and calls: checks the script only
-
-A profile of one JPEG, beam 3, phase by phase (the median of --calls calls each: read, resize, encoder, start, search,
-and `caption()` whole), for torch and the float export; and the float export's latency under ONNX Runtime's thread
-options (`threads`, `spinning`: `captioner.onnx.runtime.session_options`).
-
-    python benchmarks/onnx_runtime.py --tables latency,profile   # some tables only
-    python benchmarks/onnx_runtime.py --cuda      # on a GPU: ONNX Runtime's CUDA provider against torch on CUDA
-                                                  # (benchmarks/gpu_check.py's onnx_cuda part; "not measured"
-                                                  # without onnxruntime-gpu)
 
 Rows are printed, and written to --out, as they are measured; a form that fails is a row with its error.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -36,80 +30,19 @@ from pathlib import Path
 
 import onnxruntime
 import torch
-from common import Table, deadline, fail_if_asked, machine, one_line, out_folder, write_images
+from common.forms import ONNX, captioners
+from common.harness import Script, Table, latency, one_line, timings
+from common.synthetic import write_images
 
-from captioner import Captioner
 from captioner.data.coco import read_karpathy
 from captioner.data.images import load_image
 from captioner.data.shapes import ShapesDataset
 from captioner.data.vocab import tokenize
 from captioner.metrics import coco_caption_scores
 from captioner.onnx import Captioner as OnnxCaptioner
-from captioner.onnx_export import export_onnx
 from captioner.web_export import folder_size
 
-EXPORTS = {
-    "onnx, float": {},
-    "onnx, float16": {"float16": True},  # weights stored as float16 (`captioner export --format web`'s default)
-    "onnx, int8 step": {"int8": "step"},
-    "onnx, int8 all": {"int8": "all"},
-}
-
-
-def exports(checkpoint: str, folder: Path) -> dict[str, Path | str]:
-    """The model's ONNX exports (or, for one that fails, its error)."""
-    made: dict[str, Path | str] = {}
-    for form, options in EXPORTS.items():
-        try:
-            fail_if_asked(form)
-            made[form] = export_onnx(checkpoint, folder / form.replace(", ", "_").replace(" ", "_"), **options)
-        except Exception as err:
-            made[form] = "error: " + one_line(err)
-    return made
-
-
-def captioners(checkpoint: str, made: dict[str, Path | str]) -> dict[str, object]:
-    """torch's, and each export's on the CPU provider (Pillow's resize, the default); the float export also with the
-    exact resize (torchvision's pixels to the bit)."""
-    forms: dict[str, object] = {"torch, eager": Captioner.load(checkpoint, device="cpu")}
-    for form, folder in made.items():
-        cpu = ["CPUExecutionProvider"]
-        forms[form] = folder if isinstance(folder, str) else OnnxCaptioner(folder, cpu)
-        if form == "onnx, float":
-            forms["onnx, float, exact resize"] = (
-                folder if isinstance(folder, str) else OnnxCaptioner(folder, cpu, resize="exact")
-            )
-    return forms
-
-
-def latency_rows(model: str, forms: dict[str, object], image: Path, batch: list[Path], calls: int, rows: Table):
-    """Each form in turn, alone (the forms do not take turns call by call: a runtime's threads spin on after its
-    calls, and would slow the other's): one image, `calls` calls (p50, p95); the batch, the median of 3 calls. Each
-    after two untimed calls."""
-    for form, captioner in forms.items():
-        row = {"model": model, "form": form}
-        if isinstance(captioner, str):
-            rows.add({**row, "error": captioner.removeprefix("error: ")})
-            continue
-
-        def measure(captioner=captioner) -> dict:
-            one, many = [], []
-            for calls_, images, times in ((calls, [image], one), (3, batch, many)):
-                for i in range(2 + calls_):
-                    start = time.perf_counter()
-                    captioner.caption(images, beam_size=3, batch_size=len(images))
-                    if i >= 2:
-                        times.append(time.perf_counter() - start)
-            ms = sorted(1000 * s for s in one)
-            median = statistics.median(many)
-            return {
-                "1 image p50, ms": f"{statistics.median(ms):.1f}",
-                "1 image p95, ms": f"{ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]:.1f}",
-                f"{len(batch)} images, ms": f"{1000 * median:.0f}",
-                "images/s": f"{len(batch) / median:.1f}",
-            }
-
-        rows.measure(row, measure)
+FORMS = ["torch, eager", *ONNX]  # torch, then the exports (float, its exact resize, float16, int8)
 
 
 def profile_rows(model: str, forms: dict[str, object], image: Path, calls: int, rows: Table):
@@ -118,8 +51,8 @@ def profile_rows(model: str, forms: dict[str, object], image: Path, calls: int, 
     for form in ("torch, eager", "onnx, float", "onnx, float, exact resize"):
         captioner = forms.get(form)
         row = {"model": model, "form": form}
-        if not hasattr(captioner, "caption"):
-            rows.add({**row, "error": str(captioner)})
+        if isinstance(captioner, BaseException):
+            rows.add({**row, "error": one_line(captioner)})
             continue
 
         def measure(captioner=captioner, form=form) -> dict:
@@ -154,49 +87,23 @@ def profile_rows(model: str, forms: dict[str, object], image: Path, calls: int, 
         rows.measure(row, measure)
 
 
-def thread_rows(model: str, folder: Path | str, image: Path, batch: list[Path], calls: int, rows: Table):
-    """The float export's latency under ONNX Runtime's thread options, each session set alone."""
+def thread_rows(model: str, folder: Path | BaseException, image: Path, batch: list[Path], calls: int, rows: Table):
+    """The float export's latency under ONNX Runtime's thread options, each session set alone: one image, `calls`
+    calls; the batch, the median of 3; each after two untimed calls."""
     for threads in (1, 2):
         for spinning in (False, True):
             row = {"model": model, "threads": threads, "spinning": spinning}
-            if isinstance(folder, str):
-                rows.add({**row, "error": folder})
+            if isinstance(folder, BaseException):
+                rows.add({**row, "error": one_line(folder)})
                 continue
 
             def measure(threads=threads, spinning=spinning) -> dict:
                 captioner = OnnxCaptioner(folder, ["CPUExecutionProvider"], threads=threads, spinning=spinning)
-                one, many = [], []
-                for calls_, images, times in ((calls, [image], one), (3, batch, many)):
-                    for i in range(2 + calls_):
-                        start = time.perf_counter()
-                        captioner.caption(images, beam_size=3, batch_size=len(images))
-                        if i >= 2:
-                            times.append(1000 * (time.perf_counter() - start))
-                return {"1 image p50, ms": f"{statistics.median(one):.1f}",
-                        f"{len(batch)} images, ms": f"{statistics.median(many):.0f}"}  # fmt: skip
+                one = timings(lambda: captioner.caption([image], beam_size=3), calls, warmup=2)
+                many = timings(lambda: captioner.caption(batch, beam_size=3, batch_size=len(batch)), 3, warmup=2)
+                return {**latency(one, "1 image "), f"{len(batch)} images, ms": f"{1000 * statistics.median(many):.0f}"}
 
             rows.measure(row, measure)
-
-
-def cuda_rows(out: Path | None, until: float | None, calls: int, folder: Path) -> None:
-    """One JPEG and 64, beam 3, the bundled model: torch (eager) on CUDA against the float export on ONNX Runtime's
-    CUDA execution provider, whose word graphs keep their state on the GPU between calls (`captioner.onnx.search`)."""
-    rows = Table("onnx_cuda", f"CUDA: from file to caption, beam 3; 1 image: {calls} calls each", out, until)
-    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
-        reason = "no CUDA device" if not torch.cuda.is_available() else "onnxruntime has no CUDAExecutionProvider"
-        rows.add({"form": "onnx, CUDA provider", "error": f"not measured: {reason} (pip install onnxruntime-gpu)"})
-        rows.finish()
-        return
-    image = write_images(folder / "one", [], distinct=1)[0]
-    batch = write_images(folder / "batch", [], distinct=64)
-    exported = export_onnx("shapes", folder / "shapes_cuda")
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    forms = {
-        "torch, eager, CUDA": Captioner.load("shapes", device="cuda"),
-        "onnx, float, CUDA provider": OnnxCaptioner(exported, providers),
-    }
-    latency_rows("shapes (bundled)", forms, image, batch, calls, rows)
-    rows.finish()
 
 
 def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], paths, references, rows: Table):
@@ -205,8 +112,8 @@ def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], pa
     want, float_export = None, None
     for form, captioner in forms.items():
         row = {"model": model, "form": form, "files, MiB": sizes.get(form, "")}
-        if isinstance(captioner, str):
-            rows.add({**row, "error": captioner.removeprefix("error: ")})
+        if isinstance(captioner, BaseException):
+            rows.add({**row, "error": one_line(captioner)})
             continue
 
         def measure(captioner=captioner, form=form) -> dict:
@@ -234,59 +141,46 @@ def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], pa
         rows.measure(row, measure)
 
 
-def file_sizes(checkpoint: str, made: dict[str, Path | str]) -> dict[str, str]:
+def file_sizes(checkpoint: str, exports: dict[str, Path | BaseException]) -> dict[str, str]:
     from captioner.checkpoints import resolve
 
     sizes = {"torch, eager": f"{resolve(checkpoint).stat().st_size / 2**20:.1f}"}
-    made = {**made, "onnx, float, exact resize": made.get("onnx, float", "")}
-    for form, folder in made.items():
-        if not isinstance(folder, str):
+    exports = {**exports, "onnx, float, exact resize": exports.get("onnx, float", RuntimeError())}
+    for form, folder in exports.items():
+        if not isinstance(folder, BaseException):
             sizes[form] = f"{folder_size(folder) / 2**20:.1f}"
     return sizes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few images and calls: checks the script only")
-    parser.add_argument("--calls", type=int, default=30, help="timed one-image calls per form")
-    parser.add_argument("--images", type=int, default=500, help="the bundled model's test images to caption")
-    parser.add_argument("--ucm-model", help="a checkpoint or model file fitted with configs/ucm.yaml")
-    parser.add_argument("--ucm-data", help="UCM's folder (dataset.json, images/), as data/README.md says")
-    parser.add_argument("--out", help="a folder for the tables' rows (onnx_*.jsonl as measured, onnx_*.md)")
-    parser.add_argument("--budget", type=float, help="seconds: a form not started by then is a row that says so")
-    parser.add_argument("--tables", default="latency,profile,threads,quality", help="the tables to measure")
-    parser.add_argument("--cuda", action="store_true", help="CUDA's provider against torch on CUDA, nothing else")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="a few images and calls: checks the script only", budget=True)
+    script.option("--calls", type=int, default=30, help="timed one-image calls per form")
+    script.option("--images", type=int, default=500, help="the bundled model's test images to caption")
+    script.option("--ucm-model", help="the bundled ucm, or a checkpoint or model file fitted with configs/ucm.yaml")
+    script.option("--ucm-data", help="UCM's folder (dataset.json, images/), as data/README.md says")
+    script.option("--tables", default="profile,threads,quality", help="the tables to measure, comma-separated")
+    options = script.start(f", onnxruntime {onnxruntime.__version__}")
     tables = set(options.tables.split(","))
     calls, images = (3, 8) if options.smoke else (options.calls, options.images)
-    out, until = out_folder(options.out), deadline(options.budget)
-    print(f"# onnx_runtime.py on {machine()}, onnxruntime {onnxruntime.__version__}", flush=True)
-    if options.smoke:
-        print("# smoke run: not a measurement", flush=True)
-    if options.cuda:
-        with tempfile.TemporaryDirectory() as tmp:
-            cuda_rows(out, until, calls, Path(tmp))
-        return
-    models = {"shapes (bundled)": "shapes"}
+    models = {"shapes": "shapes"}
     if options.ucm_model:
-        models["UCM (configs/ucm.yaml)"] = options.ucm_model
-    speed = Table("onnx_latency", f"from file to caption, beam 3, CPU; 1 image: {calls} calls each", out, until)
-    quality = Table("onnx_quality", "test split from files, beam 3: captions and scores", out, until)
-    profile = Table("onnx_profile", f"one JPEG, beam 3, per phase: the median of {calls} calls", out, until)
-    threads = Table("onnx_threads", "the float export under ONNX Runtime's thread options", out, until)
+        models[options.ucm_model] = options.ucm_model
+    profile = script.table("onnx_profile", f"one JPEG, beam 3, per phase: the median of {calls} calls")
+    threads = script.table("onnx_threads", "the float export under ONNX Runtime's thread options")
+    quality = script.table("onnx_quality", "test split from files, beam 3: captions and scores")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         image = write_images(folder / "one", [], distinct=1)[0]
         batch = write_images(folder / "batch", [], distinct=8 if options.smoke else 64)
         for model, checkpoint in models.items():
-            made = exports(checkpoint, folder / model.split()[0])
-            forms = captioners(checkpoint, made)
-            if "latency" in tables:
-                latency_rows(model, forms, image, batch, calls, speed)
+            if script.deadline is not None and time.monotonic() > script.deadline:
+                break
+            forms, exports = captioners(checkpoint, FORMS, torch.device("cpu"), folder / model.replace("/", "_"))
             if "profile" in tables:
                 profile_rows(model, forms, image, calls, profile)
             if "threads" in tables:
-                thread_rows(model, made["onnx, float"], image, batch, calls, threads)
+                thread_rows(model, exports.get("onnx, float", RuntimeError("no float export")), image, batch, calls,
+                            threads)  # fmt: skip
             if "quality" not in tables:
                 continue
             if checkpoint == "shapes":
@@ -302,9 +196,8 @@ def main() -> None:
                 references = {i: [" ".join(tokenize(c)) for c in r.captions] for i, r in enumerate(records)}
             else:
                 continue
-            quality_rows(model, forms, file_sizes(checkpoint, made), paths, references, quality)
-    for table in (speed, profile, threads, quality):
-        table.finish()
+            quality_rows(model, forms, file_sizes(checkpoint, exports), paths, references, quality)
+    script.finish()
 
 
 if __name__ == "__main__":

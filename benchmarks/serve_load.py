@@ -17,7 +17,6 @@ Bounded: each request may take 60 s, each phase 10 minutes; what did not finish 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import io
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-from common import Table, machine, out_folder, table
+from common.harness import Script, memory_mib
 from PIL import Image
 
 from captioner.data.shapes import ShapesDataset
@@ -43,14 +42,6 @@ PACE = 1.0  # seconds between one hostile client's requests (0: as fast as the s
 HOSTILE_SECONDS = 45  # the hostile clients go on at least this long: past the server's 30 s timeout
 FILE_PART = b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n\r\n'
 FORM = "multipart/form-data; boundary=xyz"
-
-
-def memory_mib(pid: int, field: str) -> float:
-    """VmRSS (resident now) or VmHWM (the peak so far) of a process, in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -241,10 +232,8 @@ def row(requests: int, clients: int, latencies: list[float], failures: int, seco
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="a folder for the table's rows (serve_load.jsonl as measured, serve_load.md)")
-    options = parser.parse_args()
-    print(f"# serve_load.py on {machine()}")
+    script = Script(__file__, __doc__)
+    script.start()
     split = ShapesDataset("test", 16, seed=2)
     images = []
     for i in range(len(split)):
@@ -256,7 +245,7 @@ def main() -> None:
     try:
         load(url, images, 16, 4)  # warm-up
         memory = {"after warm-up": memory_mib(process.pid, "VmRSS")}
-        rows = Table("serve_load", "requests to `captioner serve`", out_folder(options.out))
+        rows = script.table("serve_load", "requests to `captioner serve`")
         cpu = {}  # phase -> (seconds, CPU seconds of the server, CPU seconds of this process: the clients)
         for requests, clients in ((REQUESTS, CLIENTS), (50, 1)):
             start, used = time.perf_counter(), (cpu_seconds(process.pid), time.process_time())
@@ -290,21 +279,26 @@ def main() -> None:
         lines = log.read()
         if exit_code is not None:
             print(f"the server stopped early, exit code {exit_code}:\n{lines[-3000:]}")
-    tracebacks = lines.count("Traceback")
     rows.finish()
+    hostile_rows = script.table("serve_load_hostile", "the hostile clients: how each kind was answered")
+    for outcome in hostile.summary():
+        hostile_rows.add(outcome)
+    server = script.table("serve_load_server", "the server")
     if rows.rows[2]["p95 (ms)"] != "-":
         ratio = float(rows.rows[2]["p95 (ms)"]) / float(rows.rows[0]["p95 (ms)"])
-        print(f"\np95 beside the hostile clients / quiet p95: {ratio:.2f}x")
-    print()
-    print(table(hostile.summary()))
+        server.add({"figure": "p95 beside the hostile clients / quiet p95", "value": f"{ratio:.2f}x"})
     endless = len(hostile.outcomes["endless chunked form"])
-    print(f"\nthe most of one endless upload sent before its answer or cut: {hostile.most_sent / 2**20:.1f} MB")
-    print(f"written to disk by the server while the hostile clients ran: {written / 2**20:.0f} MB, ", end="")
-    print(f"{written / 2**20 / max(endless, 1):.1f} MB per endless upload")
-    for phase, (seconds, server, clients) in cpu.items():
-        print(f"CPU, {phase}, 200 requests: server {server / seconds:.2f} cores, clients {clients / seconds:.2f} cores")
-    print("server resident memory (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
-    print(f"tracebacks in the server's log: {tracebacks}")
+    most = f"{hostile.most_sent / 2**20:.1f} MB"
+    server.add({"figure": "the most of one endless upload sent before its answer or cut", "value": most})
+    per_upload = f"{written / 2**20:.0f} MB, {written / 2**20 / max(endless, 1):.1f} MB per endless upload"
+    server.add({"figure": "written to disk while the hostile clients ran", "value": per_upload})
+    for phase, (seconds, busy, clients) in cpu.items():
+        cores = f"server {busy / seconds:.2f} cores, clients {clients / seconds:.2f} cores"
+        server.add({"figure": f"CPU, {phase}, 200 requests", "value": cores})
+    for moment, mib in memory.items():
+        server.add({"figure": f"resident memory, {moment}", "value": f"{mib:.0f} MiB"})
+    server.add({"figure": "tracebacks in the server's log", "value": lines.count("Traceback")})
+    script.finish()
 
 
 if __name__ == "__main__":

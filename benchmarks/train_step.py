@@ -28,24 +28,12 @@ a row with its error.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import torch
-from common import (
-    SIZES,
-    TINY,
-    Table,
-    annotations,
-    caption_batches,
-    deadline,
-    machine,
-    out_folder,
-    synchronize,
-    timed,
-    tutorial_forward,
-)
+from common.harness import Script, timed, timings
+from common.synthetic import SIZES, TINY, annotations, caption_batches
+from common.tutorial import tutorial_forward
 
 from captioner.models.show_attend_tell import ShowAttendTell, caption_loss
 
@@ -96,25 +84,18 @@ def captions_per_second(dims: tuple, B: int, form: str, bf16: bool, device: torc
         for batch in data:
             step(*batch)
 
-    start = time.perf_counter()
-    one_pass(), one_pass()  # the compiled form compiles each batch's caption length in the first
-    synchronize(device)
-    first = time.perf_counter() - start
+    first = sum(timings(one_pass, 2, warmup=0, device=device))  # the compiled form compiles each caption length
     row = {"captions/s": f"{len(data) * B / timed(one_pass, passes, warmup=0, device=device):.0f}"}
     return row | ({"first two passes, s": f"{first:.1f}"} if form == "compiled" else {})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pass: checks the script only")
-    parser.add_argument("--out", help="a folder for the table's rows (train_step.jsonl as measured, train_step.md)")
-    parser.add_argument("--budget", type=float, help="seconds: forms not started by then become rows that say so")
-    parser.add_argument("--forms", help="only these forms, separated by |")
-    options = parser.parse_args()
+    script = Script(__file__, __doc__, smoke="tiny sizes, one pass: checks the script only", budget=True)
+    script.option("--forms", help="only these forms, separated by |")
+    options = script.start()
     cuda = torch.cuda.is_available() and not options.smoke
     device = torch.device("cuda" if cuda else "cpu")
     torch.set_float32_matmul_precision("high")  # TF32 on CUDA, what `captioner fit` sets there by default
-    print(f"# train_step.py on {machine()}{' (smoke run: not a measurement)' * options.smoke}", flush=True)
     if options.smoke:
         forms = (
             "tutorial",
@@ -140,7 +121,7 @@ def main() -> None:
     if options.forms:
         runs = [run for run in runs if run[-1] in options.forms.split("|")]
     passes = 1 if options.smoke else 5 if cuda else 3
-    rows = Table("train_step", "training step, captions/s", out_folder(options.out), deadline(options.budget))
+    rows = script.table("train_step", "training step, captions/s")
     tutorial: dict[tuple, float] = {}  # the tutorial's rate (grouped: the copy's) at each size, batch and precision
     for size, dims, B, bf16, form in runs:
         precision = "bf16-mixed" if bf16 else "float32 (TF32)" if cuda else "float32"
@@ -157,7 +138,7 @@ def main() -> None:
             return result
 
         rows.measure({"sizes": size, "batch": B, "precision": precision, "form": form}, measure)
-    rows.finish(", captions of 8 to 16 tokens, clipping at 5, Adam")
+    script.finish(", captions of 8 to 16 tokens, clipping at 5, Adam")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ci
+TORCH = ["torch, eager", "torch, compiled", "torch, compiled, encoder too"]
+ONNX = ["onnx, float", "onnx, float, exact resize", "onnx, float16", "onnx, int8 step", "onnx, int8 all"]
+FORMS = [TORCH[0], *ONNX]  # onnx_runtime.py's
 
 
 def run(*args: str, timeout: float, fail: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -28,20 +31,20 @@ def rows(path) -> list[dict]:
 
 def test_the_gpu_check_runs_every_part_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_path):
     fail = (
-        "compiled, encoder too",  # one_image.py
+        "torch, compiled, encoder too",  # one_image.py
         "compile_decoder, a graph per 8 words (its default)",  # decode.py's tutorial table
         "the same steps alone: the fit's batches, on the device",  # fit.py, in the fit's own process
     )
     result = run("benchmarks/gpu_check.py", "--smoke", f"--out={tmp_path}", timeout=600, fail=fail)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    summary = rows(tmp_path / "summary.jsonl")
     parts = ["preflight", "one_image", "decode", "fit", "test_cuda", "onnx_cuda"]
-    assert [line.split(":")[0] for line in summary] == parts and all(": ok," in line for line in summary), summary
+    assert [row["part"] for row in summary] == parts and all(row["status"] == "ok" for row in summary), summary
     made_to_fail = "RuntimeError: made to fail"
-    # one_image: the failing form is a row with its error; the others, both models, are measured
+    # one_image: torch's forms; the failing form is a row with its error; the others, both models, are measured
     images = {(row["model"], row["form"]): row for row in rows(tmp_path / "one_image.jsonl")}
-    assert len(images) == 6 and images["shapes", "compiled, encoder too"]["error"].startswith(made_to_fail)
-    assert all("p50, ms" in row for key, row in images.items() if key[1] != "compiled, encoder too")
+    assert len(images) == 6 and images["shapes", fail[0]]["error"].startswith(made_to_fail)
+    assert all("1 image p50, ms" in row for key, row in images.items() if key[1] != fail[0])
     # decode: every form a row, as measured (before the table is printed whole), the failing one with its error;
     # the whole search compiled as one graph writes the eager search's captions
     searches = {row["beam 3"]: row for row in rows(tmp_path / "tutorial.jsonl")}
@@ -57,9 +60,9 @@ def test_the_gpu_check_runs_every_part_on_a_cpu_and_a_form_that_fails_is_a_row(t
     assert any(phase.startswith("projected: the paper's schedule") for phase in fit)
     assert "0 host waits in 3 steps" in (tmp_path / "fit.txt").read_text()
     assert "wall" in (tmp_path / "fit_profile.txt").read_text()
-    # onnx_cuda: on a machine without CUDA (or without onnxruntime-gpu), one row that says so
-    (cuda,) = rows(tmp_path / "onnx_cuda.jsonl")
-    assert cuda["error"].startswith("not measured: no CUDA device"), cuda
+    # onnx_cuda: on a machine without CUDA, torch's row and the export's say so
+    cuda = {row["form"]: row["error"] for row in rows(tmp_path / "onnx_cuda.jsonl")}
+    assert cuda == dict.fromkeys(["torch, eager", "onnx, float"], "not measured: no CUDA device"), cuda
 
 
 def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_path):
@@ -73,22 +76,23 @@ def test_train_step_py_runs_whole_on_a_cpu_and_a_form_that_fails_is_a_row(tmp_pa
     assert "x a copy per caption" in forms["grouped, each image once"]
 
 
+def test_one_image_py_measures_every_form_of_a_model_and_a_form_that_fails_is_a_row(tmp_path):
+    result = run("benchmarks/one_image.py", "--smoke", "--models=shapes", f"--out={tmp_path}", timeout=600,
+                 fail=("onnx, int8 all",))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    latency = {row["form"]: row for row in rows(tmp_path / "one_image.jsonl")}
+    assert list(latency) == TORCH + ONNX
+    assert latency["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
+    measured = [row for form, row in latency.items() if form != "onnx, int8 all"]
+    assert all("1 image p50, ms" in row and "8 images, ms" in row and "error" not in row for row in measured)
+
+
 def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_path):
     result = run("benchmarks/onnx_runtime.py", "--smoke", f"--out={tmp_path}", timeout=600, fail=("onnx, int8 all",))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    latency = {row["form"]: row for row in rows(tmp_path / "onnx_latency.jsonl")}
     quality = {row["form"]: row for row in rows(tmp_path / "onnx_quality.jsonl")}
-    forms = [
-        "torch, eager",
-        "onnx, float",
-        "onnx, float, exact resize",
-        "onnx, float16",
-        "onnx, int8 step",
-        "onnx, int8 all",
-    ]
-    assert list(latency) == list(quality) == forms
-    assert latency["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
-    assert all("1 image p50, ms" in latency[form] and "8 images, ms" in latency[form] for form in forms[:4])
+    assert list(quality) == FORMS
+    assert quality["onnx, int8 all"]["error"].startswith("RuntimeError: made to fail")
     # the float export writes torch's captions (tests/test_onnx.py: word for word), so it scores the same
     assert quality["onnx, float, exact resize"]["captions unchanged"] == "1.000"
     assert quality["onnx, float, exact resize"]["CIDEr-D"] == quality["torch, eager"]["CIDEr-D"]
@@ -97,7 +101,7 @@ def test_onnx_runtime_py_measures_every_form_and_a_form_that_fails_is_a_row(tmp_
     )
     # the profile, phase by phase, for torch and the float export; the float export under each thread option
     profile = {row["form"]: row for row in rows(tmp_path / "onnx_profile.jsonl")}
-    assert list(profile) == forms[:3]
+    assert list(profile) == FORMS[:3]
     assert all(float(row[f"{phase}, ms"]) > 0 for row in profile.values() for phase in ("resize", "encoder", "search"))
     options = [
         (row["threads"], row["spinning"], "1 image p50, ms" in row) for row in rows(tmp_path / "onnx_threads.jsonl")

@@ -97,9 +97,9 @@ class Script:
         return table
 
     def finish(self, note: str = "") -> None:
-        """Each table that has rows, whole: printed, and written to <out>/<table>.md."""
+        """Each table not yet finished that has rows, whole: printed, and written to <out>/<table>.md."""
         for table in self.tables:
-            if table.rows:
+            if table.rows and not table.finished:
                 table.finish(note)
 
     def compiled_forms(self) -> contextlib.AbstractContextManager:
@@ -290,6 +290,7 @@ class Table:
     def __init__(self, name: str, title: str, out: Path | None = None, deadline: float | None = None):
         self.name, self.title, self.out, self.deadline = name, title, out, deadline
         self.rows: list[dict] = []
+        self.finished = False
         print(f"\n{title}\n", flush=True)
 
     def add(self, row: dict) -> dict:
@@ -317,6 +318,7 @@ class Table:
         return self.add({**row, **values})
 
     def finish(self, note: str = "") -> str:
+        self.finished = True
         text = f"{self.title}{note}\n\n{table(self.rows)}" if self.rows else f"{self.title}: no rows"
         print(f"\n{text}\n", flush=True)
         if self.out is not None:
