@@ -17,11 +17,12 @@ in torch's forms only (it has no file to export).
     python benchmarks/one_image.py --models shapes,paper --forms torch --batch 0   # benchmarks/gpu_check.py's
     python benchmarks/one_image.py --smoke                           # a few calls; compiled forms under a stand-in
 
-A model's forms take turns call by call, after three untimed calls each (which compile the compiled forms); then the
-64 images, three calls each in turn after one untimed. ONNX Runtime's threads do not spin between calls (the
-default of `captioner.onnx`), so a form's calls do not slow the next one's. Rows are printed, and written to --out,
-as each model's turns end; a form that fails is a row with its error. With --smoke: compiled forms as CUDA graphs
-would treat them (tests/cuda_graphs.py's stand-in, no code generated).
+Each form is measured alone, in a process of its own (`Script.measure_alone`): the forms of a model measured in one
+process slowed one another (torch eager's 64 images took 2.5x as long beside the seven other forms as alone), so each
+finds the machine as it would on its own. There, after three untimed calls (which compile the compiled forms), the
+one-image calls, then the 64 images three times after one untimed call. Each row is printed, and written to --out,
+as it is measured; a form that fails is a row with its error. With --smoke: compiled forms as CUDA graphs would
+treat them (tests/cuda_graphs.py's stand-in, no code generated).
 """
 
 from __future__ import annotations
@@ -32,39 +33,28 @@ import time
 from pathlib import Path
 
 import torch
-from common.forms import PAPER, TORCH, captioners, forms_named
-from common.harness import Script, latency, one_line, take_turns
+from common.forms import ONNX, PAPER, TORCH, captioner, exports_of, forms_named
+from common.harness import Script, latency, one_line, timings
 from common.synthetic import write_images
 
 
-def measure_model(model: str, forms: list[str], device, images: dict, calls: int, folder: Path) -> dict[str, dict]:
-    """Each form's columns: one image's latency, then the batch's time; a form that fails, its error."""
-    built, _ = captioners(model, forms, device, folder)
-    ready = {form: c for form, c in built.items() if not isinstance(c, BaseException)}
-    columns: dict[str, dict] = {form: {"error": one_line(c)} for form, c in built.items() if form not in ready}
-
-    def calls_of(files: list[Path]) -> dict:
-        return {form: lambda c=c: c.caption(files, beam_size=3, batch_size=len(files)) for form, c in ready.items()}
-
-    one = take_turns(calls_of([images["one"]]), calls, warmup=3, device=device)
-    batch = take_turns(calls_of(images["batch"]), 3, warmup=1, device=device) if images["batch"] else {}
-    for form in ready:
-        if isinstance(one[form], BaseException):
-            columns[form] = {"error": one_line(one[form])}
-            continue
-        columns[form] = latency(one[form], "1 image ")
-        columns[form]["images/s one at a time"] = f"{len(one[form]) / sum(one[form]):.1f}"
-        if form in batch and isinstance(batch[form], BaseException):
-            columns[form]["error"] = f"{len(images['batch'])} images: {one_line(batch[form])}"
-        elif form in batch:
-            median = sorted(batch[form])[len(batch[form]) // 2]
-            columns[form] |= {f"{len(images['batch'])} images, ms": f"{1000 * median:.0f}",
-                              "images/s at once": f"{len(images['batch']) / median:.1f}"}  # fmt: skip
-    return {form: columns[form] for form in forms if form in columns}
+def measure(spec: dict, calls: int) -> dict:
+    """In the form's own process: one image's latency, then the batch's time."""
+    device = torch.device(spec["device"])
+    model = captioner(spec["model"], spec["form"], device, {k: Path(v) for k, v in spec["exports"].items()})
+    image, batch = Path(spec["image"]), [Path(file) for file in spec["batch"]]
+    one = timings(lambda: model.caption([image], beam_size=3), calls, warmup=3, device=device)
+    values = {**latency(one, "1 image "), "images/s one at a time": f"{len(one) / sum(one):.1f}"}
+    if batch:
+        many = timings(lambda: model.caption(batch, beam_size=3, batch_size=len(batch)), 3, warmup=1, device=device)
+        median = sorted(many)[1]
+        values |= {f"{len(batch)} images, ms": f"{1000 * median:.0f}", "images/s at once": f"{len(batch) / median:.1f}"}
+    return values
 
 
 def main() -> None:
-    script = Script(__file__, __doc__, smoke="a few calls and 8 images: checks the script only", budget=True)
+    smoke = "a few calls and 8 images: checks the script only"
+    script = Script(__file__, __doc__, smoke=smoke, budget=True, alone=True)
     script.option("--models", default="shapes,ucm", help="bundled models, checkpoints or `paper`, comma-separated")
     script.option("--forms", default="all", help="forms or groups (torch, onnx, all), separated by |")
     script.option("--calls", type=int, default=50, help="timed one-image calls per form")
@@ -72,28 +62,37 @@ def main() -> None:
     script.option("--device", choices=("cpu", "cuda"), help="default: CUDA where there is one")
     script.option("--table", default="one_image", help="the table's name (its files' under --out)")
     options = script.start()
+    calls, batch = (3, min(options.batch, 8)) if options.smoke else (options.calls, options.batch)
+    if script.alone is not None:
+        with script.compiled_forms():
+            return script.report(measure(script.alone, calls))
     forms = forms_named(options.forms)
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    calls, batch = (3, min(options.batch, 8)) if options.smoke else (options.calls, options.batch)
-    title = f"one 640x480 JPEG from file to caption, beam 3, {device.type}: {calls} calls each, taking turns"
+    title = f"one 640x480 JPEG from file to caption, beam 3, {device.type}: {calls} calls each, each form alone"
     rows = script.table(options.table, title + (f"; {batch} at once, the median of 3 calls" if batch else ""))
-    with script.compiled_forms(), tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        images = {"one": write_images(folder / "one", [], distinct=1)[0]}
-        images["batch"] = write_images(folder / "batch", [], distinct=batch) if batch else []
+        image = write_images(folder / "one", [], distinct=1)[0]
+        files = write_images(folder / "batch", [], distinct=batch) if batch else []
         for model in options.models.split(","):
             chosen = [form for form in forms if model != PAPER or form in TORCH]
             if device.type == "cuda" and not torch.cuda.is_available():
-                measured = {form: {"error": "not measured: no CUDA device"} for form in chosen}
-            elif script.deadline is not None and time.monotonic() > script.deadline:
-                measured = {form: {"error": "not run: the part's time budget was spent"} for form in chosen}
-            else:
-                try:
-                    measured = measure_model(model, chosen, device, images, calls, folder / model.replace("/", "_"))
-                except Exception as err:  # a model that cannot be loaded: each of its forms a row that says why
-                    measured = {form: {"error": one_line(err)} for form in chosen}
-            for form, values in measured.items():
-                rows.add({"model": model, "form": form, **values})
+                for form in chosen:
+                    rows.add({"model": model, "form": form, "error": "not measured: no CUDA device"})
+                continue
+            exports = {}
+            if not (script.deadline is not None and time.monotonic() > script.deadline):
+                exports = exports_of(model, chosen, folder / model.replace("/", "_"))
+            for form in chosen:
+                row = {"model": model, "form": form}
+                export = exports.get(ONNX[form][0]) if form in ONNX else None
+                if isinstance(export, BaseException):
+                    rows.add({**row, "error": one_line(export)})
+                    continue
+                made = {name: str(path) for name, path in exports.items() if isinstance(path, Path)}
+                spec = {"model": model, "form": form, "device": device.type, "image": str(image)}
+                spec |= {"batch": [str(file) for file in files], "exports": made}
+                rows.measure(row, lambda spec=spec: script.measure_alone(spec))
     script.finish()
 
 

@@ -1,14 +1,17 @@
 """The docs cannot drift from the code: every `captioner ...` command in README.md, docs/*.md and data/README.md (in a
 code block or inline) is checked without running it, against the CLI's own parsers: its subcommand exists, each
 option it gives is one of that command's (with a value among its choices, where it has some), a Lightning command
-parses whole (`--print_config`), and every path of the repository it names exists. So do the files the docs name,
-and the options of the README's table of `--model.<name>` options."""
+parses whole (`--print_config`), and every path of the repository it names exists. So is every `python <script>.py`
+command of benchmarks/ that the docs or the scripts' own docstrings show, against the script's parser. So do the
+files the docs name, and the options of the README's table of `--model.<name>` options."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
+import runpy
 import shlex
 from pathlib import Path
 
@@ -24,6 +27,7 @@ DOCS = [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs")
 LIGHTNING = ("fit", "validate", "test", "predict")
 OURS = {"caption": own_commands.caption, "evaluate": own_commands.evaluate, "export": own_commands.export_model}
 OURS |= {"serve": own_commands.serve, "demo": own_commands.demo}
+BENCHMARKS = REPO / "benchmarks"
 REPOSITORY_PATHS = ("configs/", "docs/", "notebooks/", "benchmarks/", "captioner/", "deploy/", "tests/", "data/README")
 
 
@@ -227,3 +231,54 @@ def test_what_the_docs_say_of_checkpoint_options_the_training_step_and_exports_i
         ran = run_main(capfd, "export", "--ckpt_path", "shapes", "--output", str(output), *options)
         assert ran.status == 0, ran.err[-2000:]
         assert model_file(output).has_encoder == holds
+
+
+def benchmark_commands(text: str) -> list[tuple[str, list[str]]]:
+    """Each `python <script>.py ...` command of a script in benchmarks/ that a text shows (in code or inline), as the
+    script's name and its arguments, up to a comment, a closing backtick or a shell operator."""
+    found = []
+    scripts = {path.name for path in BENCHMARKS.glob("*.py")}
+    for script, rest in re.findall(r"python3? (?:\S*/)?(\w+\.py)([^`\n]*)", text):
+        try:
+            words = shlex.split(rest, comments=True)
+        except ValueError:
+            continue
+        operator = next((i for i, word in enumerate(words) if word in ("&&", "||", ";", "|", ">", "2>&1")), None)
+        if script in scripts:
+            found.append((script, [word for word in words[:operator] if word != "..."]))
+    return found
+
+
+BENCHMARK_COMMANDS = [
+    pytest.param(script, args, id=f"{path.relative_to(REPO)}: {script} {' '.join(args)}"[:150])
+    for path in [*DOCS, *sorted(BENCHMARKS.glob("*.py"))]
+    for script, args in benchmark_commands(path.read_text(encoding="utf-8"))
+]
+
+
+def test_the_docs_show_every_benchmark_script_s_command():
+    """The extraction finds a command of each script (a broken pattern would check nothing)."""
+    shown = {script for script, _ in (p.values for p in BENCHMARK_COMMANDS)}
+    assert shown == {path.name for path in BENCHMARKS.glob("*.py")}, shown
+
+
+@pytest.mark.parametrize("script, args", BENCHMARK_COMMANDS)
+def test_a_documented_benchmark_command_is_one_its_script_takes(script, args, monkeypatch):
+    """The script's own parser (benchmarks/common/harness.py's `Script`, stopped where it would parse) takes the
+    command's arguments: each option is the script's, with a value it accepts."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    harness = importlib.import_module("common.harness")
+
+    def start(self, note=""):
+        raise _Parsed(self.parser)
+
+    monkeypatch.setattr(harness.Script, "start", start)
+    main = runpy.run_path(str(BENCHMARKS / script), run_name="documented")["main"]  # its module, not run as a script
+    with pytest.raises(_Parsed) as stopped:
+        main()
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        try:
+            stopped.value.parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{script} {' '.join(args)}: {errors.getvalue().strip().splitlines()[-1]}")

@@ -66,40 +66,51 @@ def providers(device: torch.device) -> list[str]:
     return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
+def exports_of(model: str, forms: list[str], folder: Path) -> dict[str, Path | BaseException]:
+    """The exports that `forms` run on, made in `folder`: each export's folder, or the error that kept it from being
+    made (BENCHMARKS_FAIL may name it)."""
+    exports: dict[str, Path | BaseException] = {}
+    for export in dict.fromkeys(ONNX[form][0] for form in forms if form in ONNX):
+        try:
+            if model == PAPER:
+                raise RuntimeError("not measured: an untrained model in memory has no file to export")
+            fail_if_asked(export)
+            from captioner.onnx_export import export_onnx
+
+            name = export.replace(", ", "_").replace(" ", "_")
+            exports[export] = export_onnx(model, folder / name, **EXPORTS[export])
+        except Exception as err:
+            exports[export] = err
+    return exports
+
+
+def captioner(model: str, form: str, device: torch.device, exports: dict[str, Path | BaseException]):
+    """`form`'s captioner of `model` (a bundled model's name, a checkpoint, or PAPER) on `device`, an ONNX form's on
+    its export in `exports` (`exports_of`). Raises what keeps it from being built."""
+    fail_if_asked(form)
+    if form in TORCH:
+        if model == PAPER:
+            return Captioner(*paper_model(), device=device, **TORCH[form])
+        return Captioner.load(model, device=device, **TORCH[form])
+    export, options = ONNX[form]
+    runtime = providers(device)
+    if isinstance(exports[export], BaseException):
+        raise exports[export]
+    from captioner.onnx import Captioner as OnnxCaptioner
+
+    return OnnxCaptioner(exports[export], runtime, **options)
+
+
 def captioners(
     model: str, forms: list[str], device: torch.device, folder: Path
 ) -> tuple[dict[str, object | BaseException], dict[str, Path | BaseException]]:
-    """Each form's captioner of `model` (a bundled model's name, a checkpoint, or PAPER, which has torch's forms only)
-    on `device`, or the error that kept it from being built (BENCHMARKS_FAIL may name a form); and the exports made,
-    in `folder`, each the folder or its error."""
+    """Each form's captioner of `model` in this process (`captioner`), or the error that kept it from being built;
+    and the exports, made in `folder` (`exports_of`)."""
+    exports = exports_of(model, forms, folder)
     made: dict[str, object | BaseException] = {}
-    exports: dict[str, Path | BaseException] = {}
     for form in forms:
         try:
-            fail_if_asked(form)
-            if form in TORCH:
-                if model == PAPER:
-                    made[form] = Captioner(*paper_model(), device=device, **TORCH[form])
-                else:
-                    made[form] = Captioner.load(model, device=device, **TORCH[form])
-                continue
-            export, options = ONNX[form]
-            if model == PAPER:
-                raise RuntimeError("not measured: an untrained model in memory has no file to export")
-            runtime = providers(device)
-            if export not in exports:
-                try:
-                    from captioner.onnx_export import export_onnx
-
-                    exports[export] = export_onnx(model, folder / export.replace(", ", "_").replace(" ", "_"),
-                                                  **EXPORTS[export])  # fmt: skip
-                except Exception as err:
-                    exports[export] = err
-            if isinstance(exports[export], BaseException):
-                raise exports[export]
-            from captioner.onnx import Captioner as OnnxCaptioner
-
-            made[form] = OnnxCaptioner(exports[export], runtime, **options)
+            made[form] = captioner(model, form, device, exports)
         except Exception as err:
             made[form] = err
     return made, exports

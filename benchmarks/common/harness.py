@@ -60,8 +60,8 @@ class Script:
 
     The description in --help is the docstring's first paragraph; `smoke`, where given, is what --smoke does."""
 
-    def __init__(self, file: str, doc: str | None, smoke: str | None = None, budget: bool = False):
-        self.name = Path(file).name
+    def __init__(self, file: str, doc: str | None, smoke: str | None = None, budget: bool = False, alone=False):
+        self.file, self.name = Path(file).resolve(), Path(file).name
         self.parser = argparse.ArgumentParser(prog=self.name, description=(doc or "").split("\n\n")[0])
         self.parser.add_argument("--out", help="a folder for the tables: <table>.jsonl, each row as it is measured, "
                                  "and <table>.md, the table whole at the end")  # fmt: skip
@@ -70,6 +70,8 @@ class Script:
         if budget:
             self.parser.add_argument("--budget", type=float, help="seconds: a form not started by then is a row that "
                                      "says so (benchmarks/gpu_check.py's parts)")  # fmt: skip
+        if alone:  # what `measure_alone` gives the script again: one thing to measure, as JSON
+            self.parser.add_argument("--alone", help=argparse.SUPPRESS)
         self.tables: list[Table] = []
         self.options = argparse.Namespace()
 
@@ -101,6 +103,25 @@ class Script:
         for table in self.tables:
             if table.rows and not table.finished:
                 table.finish(note)
+
+    @property
+    def alone(self) -> dict | None:
+        """In a process that `measure_alone` started: what it is to measure."""
+        spec = getattr(self.options, "alone", None)
+        return None if spec is None else json.loads(spec)
+
+    def measure_alone(self, spec: dict, timeout: float | None = None) -> dict:
+        """What the script measures of `spec` (a dict that names, say, a model and a form), in a process of its own:
+        the script again, with this run's options and `--alone <spec>`, which prints its figures as its result
+        (`report`). There a form measures what it would alone on the machine: no other form's threads, memory,
+        sessions or compiled code are in the process."""
+        command = [str(self.file), *sys.argv[1:], "--alone", json.dumps(spec)]
+        return python_result(in_own_process(command, timeout, peak=False))
+
+    @staticmethod
+    def report(values: dict) -> None:
+        """In a process that `measure_alone` started: its figures, as the result it hands back."""
+        print("result: " + json.dumps(values), flush=True)
 
     def compiled_forms(self) -> contextlib.AbstractContextManager:
         """Where compiled forms run: as they are; with --smoke, Dynamo's graphs under tests/cuda_graphs.py's stand-in
