@@ -22,6 +22,7 @@ Rows are printed, and written to --out, as they are measured; a form that fails 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import onnxruntime
 import torch
-from common.forms import ONNX, captioners
+from common.forms import ONNX, captioners, exports_of
+from common.forms import captioner as build
 from common.harness import Script, Table, latency, one_line, timings
 from common.synthetic import write_images
 
@@ -45,65 +47,55 @@ from captioner.web_export import folder_size
 FORMS = ["torch, eager", *ONNX]  # torch, then the exports (float, its exact resize, float16, int8)
 
 
-def profile_rows(model: str, forms: dict[str, object], image: Path, calls: int, rows: Table):
+def profile(captioner, form: str, image: Path, calls: int) -> dict:
     """One JPEG, beam 3, phase by phase: the median of `calls` calls of each phase, after two untimed ones. The search
     is `generate` less the start (ONNX: its own graph; torch: init_state and prepare, inside generate)."""
-    for form in ("torch, eager", "onnx, float", "onnx, float, exact resize"):
-        captioner = forms.get(form)
-        row = {"model": model, "form": form}
-        if isinstance(captioner, BaseException):
-            rows.add({**row, "error": one_line(captioner)})
-            continue
+    times: dict[str, list[float]] = {}
 
-        def measure(captioner=captioner, form=form) -> dict:
-            times: dict[str, list[float]] = {}
+    def timed(phase, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        times.setdefault(phase, []).append(1000 * (time.perf_counter() - start))
+        return out
 
-            def timed(phase, fn, *args):
-                start = time.perf_counter()
-                out = fn(*args)
-                times.setdefault(phase, []).append(1000 * (time.perf_counter() - start))
-                return out
-
-            for _ in range(2 + calls):
-                picture = timed("read", load_image, image)
-                if form == "torch, eager":
-                    x = timed("resize", lambda p: captioner.transform(p)[None], picture)
-                    annotations = timed("encoder", captioner.model.annotate, x)
-                    decoder = captioner.model.decoder
-                    timed("start", lambda a, d=decoder: (d.init_state(a), d.prepare(a)), annotations)
-                    timed("generate", lambda a: captioner.model.generate(annotations=a, beam_size=3), annotations)
-                else:
-                    x = timed("resize", lambda p: captioner.preprocess(p)[None], picture)
-                    annotations = timed("encoder", captioner.annotate, x)
-                    timed("start", lambda a: captioner.sessions["start"].run(None, {"annotations": a}), annotations)
-                    timed("generate", lambda a: captioner.generate(a, beam_size=3), annotations)
-                timed("caption()", captioner.caption, [image])
-            median = {phase: statistics.median(t[2:]) for phase, t in times.items()}
-            median["search"] = median.pop("generate") - median["start"]
-            parts = ("read", "resize", "encoder", "start", "search")
-            return {**{f"{p}, ms": f"{median[p]:.1f}" for p in (*parts, "caption()")},
-                    "sum of phases, ms": f"{sum(median[p] for p in parts):.1f}"}  # fmt: skip
-
-        rows.measure(row, measure)
+    for _ in range(2 + calls):
+        picture = timed("read", load_image, image)
+        if form == "torch, eager":
+            x = timed("resize", lambda p: captioner.transform(p)[None], picture)
+            annotations = timed("encoder", captioner.model.annotate, x)
+            decoder = captioner.model.decoder
+            timed("start", lambda a, d=decoder: (d.init_state(a), d.prepare(a)), annotations)
+            timed("generate", lambda a: captioner.model.generate(annotations=a, beam_size=3), annotations)
+        else:
+            x = timed("resize", lambda p: captioner.preprocess(p)[None], picture)
+            annotations = timed("encoder", captioner.annotate, x)
+            timed("start", lambda a: captioner.sessions["start"].run(None, {"annotations": a}), annotations)
+            timed("generate", lambda a: captioner.generate(a, beam_size=3), annotations)
+        timed("caption()", captioner.caption, [image])
+    median = {phase: statistics.median(t[2:]) for phase, t in times.items()}
+    median["search"] = median.pop("generate") - median["start"]
+    parts = ("read", "resize", "encoder", "start", "search")
+    return {**{f"{p}, ms": f"{median[p]:.1f}" for p in (*parts, "caption()")},
+            "sum of phases, ms": f"{sum(median[p] for p in parts):.1f}"}  # fmt: skip
 
 
-def thread_rows(model: str, folder: Path | BaseException, image: Path, batch: list[Path], calls: int, rows: Table):
-    """The float export's latency under ONNX Runtime's thread options, each session set alone: one image, `calls`
-    calls; the batch, the median of 3; each after two untimed calls."""
-    for threads in (1, 2):
-        for spinning in (False, True):
-            row = {"model": model, "threads": threads, "spinning": spinning}
-            if isinstance(folder, BaseException):
-                rows.add({**row, "error": one_line(folder)})
-                continue
+def thread_latency(folder: Path, threads: int, spinning: bool, image: Path, batch: list[Path], calls: int) -> dict:
+    """The float export's latency with a session of these thread options: one image, `calls` calls; the batch, the
+    median of 3; each after two untimed calls."""
+    captioner = OnnxCaptioner(folder, ["CPUExecutionProvider"], threads=threads, spinning=spinning)
+    one = timings(lambda: captioner.caption([image], beam_size=3), calls, warmup=2)
+    many = timings(lambda: captioner.caption(batch, beam_size=3, batch_size=len(batch)), 3, warmup=2)
+    return {**latency(one, "1 image "), f"{len(batch)} images, ms": f"{1000 * statistics.median(many):.0f}"}
 
-            def measure(threads=threads, spinning=spinning) -> dict:
-                captioner = OnnxCaptioner(folder, ["CPUExecutionProvider"], threads=threads, spinning=spinning)
-                one = timings(lambda: captioner.caption([image], beam_size=3), calls, warmup=2)
-                many = timings(lambda: captioner.caption(batch, beam_size=3, batch_size=len(batch)), 3, warmup=2)
-                return {**latency(one, "1 image "), f"{len(batch)} images, ms": f"{1000 * statistics.median(many):.0f}"}
 
-            rows.measure(row, measure)
+def alone(spec: dict, calls: int) -> dict:
+    """In a process of its own (`Script.measure_alone`): a profile row or a thread options row."""
+    image, batch = Path(spec["image"]), [Path(file) for file in spec["batch"]]
+    exports = {name: Path(folder) for name, folder in spec["exports"].items()}
+    if spec["table"] == "threads":
+        return thread_latency(exports["onnx, float"], spec["threads"], spec["spinning"], image, batch, calls)
+    model = build(spec["model"], spec["form"], torch.device("cpu"), exports)
+    return profile(model, spec["form"], image, calls)
 
 
 def quality_rows(model: str, forms: dict[str, object], sizes: dict[str, str], paths, references, rows: Table):
@@ -153,20 +145,25 @@ def file_sizes(checkpoint: str, exports: dict[str, Path | BaseException]) -> dic
 
 
 def main() -> None:
-    script = Script(__file__, __doc__, smoke="a few images and calls: checks the script only", budget=True)
+    smoke = "a few images and calls: checks the script only"
+    script = Script(__file__, __doc__, smoke=smoke, budget=True, alone=True)
     script.option("--calls", type=int, default=30, help="timed one-image calls per form")
     script.option("--images", type=int, default=500, help="the bundled model's test images to caption")
     script.option("--ucm-model", help="the bundled ucm, or a checkpoint or model file fitted with configs/ucm.yaml")
     script.option("--ucm-data", help="UCM's folder (dataset.json, images/), as data/README.md says")
     script.option("--tables", default="profile,threads,quality", help="the tables to measure, comma-separated")
     options = script.start(f", onnxruntime {onnxruntime.__version__}")
-    tables = set(options.tables.split(","))
     calls, images = (3, 8) if options.smoke else (options.calls, options.images)
+    if script.alone is not None:
+        return script.report(alone(script.alone, calls))
+    tables = set(options.tables.split(","))
     models = {"shapes": "shapes"}
     if options.ucm_model:
         models[options.ucm_model] = options.ucm_model
-    profile = script.table("onnx_profile", f"one JPEG, beam 3, per phase: the median of {calls} calls")
-    threads = script.table("onnx_threads", "the float export under ONNX Runtime's thread options")
+    profiles = script.table(
+        "onnx_profile", f"one JPEG, beam 3, per phase: the median of {calls} calls, each form alone"
+    )
+    threads = script.table("onnx_threads", "the float export under ONNX Runtime's thread options, each alone")
     quality = script.table("onnx_quality", "test split from files, beam 3: captions and scores")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -175,12 +172,25 @@ def main() -> None:
         for model, checkpoint in models.items():
             if script.deadline is not None and time.monotonic() > script.deadline:
                 break
-            forms, exports = captioners(checkpoint, FORMS, torch.device("cpu"), folder / model.replace("/", "_"))
+            exports = exports_of(checkpoint, FORMS, folder / model.replace("/", "_"))
+            made = {name: str(path) for name, path in exports.items() if isinstance(path, Path)}
+            spec = {"model": checkpoint, "image": str(image), "batch": [str(file) for file in batch], "exports": made}
             if "profile" in tables:
-                profile_rows(model, forms, image, calls, profile)
+                for form in ("torch, eager", "onnx, float", "onnx, float, exact resize"):
+                    error = exports.get(ONNX[form][0]) if form in ONNX else None
+                    if isinstance(error, BaseException):
+                        profiles.add({"model": model, "form": form, "error": one_line(error)})
+                        continue
+                    row_spec = {**spec, "table": "profile", "form": form}
+                    profiles.measure({"model": model, "form": form}, lambda s=row_spec: script.measure_alone(s))
             if "threads" in tables:
-                thread_rows(model, exports.get("onnx, float", RuntimeError("no float export")), image, batch, calls,
-                            threads)  # fmt: skip
+                for count, spinning in itertools.product((1, 2), (False, True)):
+                    row = {"model": model, "threads": count, "spinning": spinning}
+                    if isinstance(exports["onnx, float"], BaseException):
+                        threads.add({**row, "error": one_line(exports["onnx, float"])})
+                        continue
+                    row_spec = {**spec, "table": "threads", "threads": count, "spinning": spinning}
+                    threads.measure(row, lambda s=row_spec: script.measure_alone(s))
             if "quality" not in tables:
                 continue
             if checkpoint == "shapes":
@@ -196,6 +206,7 @@ def main() -> None:
                 references = {i: [" ".join(tokenize(c)) for c in r.captions] for i, r in enumerate(records)}
             else:
                 continue
+            forms = captioners(checkpoint, FORMS, torch.device("cpu"), exports)
             quality_rows(model, forms, file_sizes(checkpoint, exports), paths, references, quality)
     script.finish()
 

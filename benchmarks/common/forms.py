@@ -102,15 +102,13 @@ def captioner(model: str, form: str, device: torch.device, exports: dict[str, Pa
 
 
 def captioners(
-    model: str, forms: list[str], device: torch.device, folder: Path
-) -> tuple[dict[str, object | BaseException], dict[str, Path | BaseException]]:
-    """Each form's captioner of `model` in this process (`captioner`), or the error that kept it from being built;
-    and the exports, made in `folder` (`exports_of`)."""
-    exports = exports_of(model, forms, folder)
+    model: str, forms: list[str], device: torch.device, exports: dict[str, Path | BaseException]
+) -> dict[str, object | BaseException]:
+    """Each form's captioner of `model` in this process (`captioner`), or the error that kept it from being built."""
     made: dict[str, object | BaseException] = {}
     for form in forms:
         try:
             made[form] = captioner(model, form, device, exports)
         except Exception as err:
             made[form] = err
-    return made, exports
+    return made
