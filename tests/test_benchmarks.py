@@ -1,6 +1,8 @@
-"""The GPU scripts, smoke-tested on the CPU (in .ci/run: about two minutes), so that a GPU's scarce minutes are spent
-measuring: benchmarks/gpu_check.py runs every part at tiny sizes (each benchmark's --smoke, tests/test_cuda.py, the
-fit's host-wait stretch under HostSyncs), with a form of each table made to fail; and train_step.py --smoke."""
+"""The benchmark scripts, smoke-tested on the CPU (in .ci/run), so that a GPU's scarce minutes are spent measuring and
+a table's command works when someone reruns it: benchmarks/gpu_check.py runs every part at tiny sizes (each
+benchmark's --smoke, tests/test_cuda.py, the fit's host-wait stretch under HostSyncs), and one_image.py,
+onnx_runtime.py, train_step.py, resize.py and browser.py run whole; in each, a form made to fail is a row with its
+error, and the table goes on."""
 
 from __future__ import annotations
 

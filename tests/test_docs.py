@@ -234,11 +234,13 @@ def test_what_the_docs_say_of_checkpoint_options_the_training_step_and_exports_i
 
 
 def benchmark_commands(text: str) -> list[tuple[str, list[str]]]:
-    """Each `python <script>.py ...` command of a script in benchmarks/ that a text shows (in code or inline), as the
-    script's name and its arguments, up to a comment, a closing backtick or a shell operator."""
+    """Each `python <script>.py ...` command of a script in benchmarks/ that a text shows (in a code line, or inline,
+    even where the line wraps), as the script's name and its arguments, up to a comment or a shell operator."""
     found = []
     scripts = {path.name for path in BENCHMARKS.glob("*.py")}
-    for script, rest in re.findall(r"python3? (?:\S*/)?(\w+\.py)([^`\n]*)", text):
+    spans = [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", text)]  # inline, wrapped or not
+    lines = [line.split("`")[0] for line in text.splitlines()]  # code lines, docstrings' examples, up to any span
+    for script, rest in re.findall(r"python3? (?:\S*/)?(\w+\.py)(.*)", "\n".join(spans + lines)):
         try:
             words = shlex.split(rest, comments=True)
         except ValueError:
