@@ -182,6 +182,7 @@ class TorchWords(search.Words):
         model = SimpleNamespace(decoder=decoder, pad_index=PAD, start_index=START, end_index=END)
         self.graph, self.name = (GreedyWordsGraph if graph == "greedy" else BeamWordsGraph)(model, words), graph
         self.outputs, self.fixed, self.bound = OUTPUTS[graph], {}, []
+        self.batches: list[int] = []  # the images in each call
         self.bind(fixed)
 
     def value(self, array: np.ndarray) -> Held:
@@ -193,19 +194,23 @@ class TorchWords(search.Words):
 
     def __call__(self, state: dict[str, Held]) -> dict[str, Held]:
         feed = {**{name: x.numpy() for name, x in state.items()}, **self.fixed}
+        self.batches.append(len(feed["h"]))
         with torch.inference_mode():
             out = self.graph(*(torch.from_numpy(np.ascontiguousarray(feed[name])) for name in INPUTS[self.name]))
         return {name: Held(x.numpy()) for name, x in zip(self.outputs, out, strict=True)}
 
 
-def host_search(decoder, annotations: torch.Tensor, beam_size: int, words: int = WORDS, **options):
-    """`captioner.onnx.search`'s host loop on the decoder's word graphs, run by torch (`TorchWords`)."""
+def host_search(decoder, annotations: torch.Tensor, beam_size: int, words: int = WORDS, runners=None, **options):
+    """`captioner.onnx.search`'s host loop on the decoder's word graphs, run by torch (`TorchWords`, appended to
+    `runners` where it is given)."""
     with torch.inference_mode():
         h, c = decoder.init_state(annotations)
         keys = decoder.prepare(annotations)
     arrays = [x.numpy() for x in (annotations, keys, h, c)]
     graph = "greedy" if beam_size == 1 else "beam"
     runner = TorchWords(decoder, graph, {"annotations": arrays[0], "keys": arrays[1]}, words)
+    if runners is not None:
+        runners.append(runner)
     common = {"start": START, "pad": PAD, "n": words}
     if beam_size == 1:
         return search.greedy_search(runner, *arrays, **common, **options)
@@ -234,8 +239,9 @@ def test_the_host_loop_is_the_torch_search(decoder, options, words):
     """On the torch search's own test decoders (tests/models/test_decoding.py: a random one, whose captions end at
     many different words, and tables built to trap greedy search, to favour short captions by the raw sum, to never
     end), the host loop over the word graphs writes the same words, scores and attention, for each beam width and
-    length penalty, and with graphs of 4 (the export's), 3 and 8 words a call (images leave the batch between calls,
-    and a call runs past `max_len`)."""
+    length penalty, and with graphs of 4 (the export's), 3 and 8 words a call (8: a call runs past `max_len`). On
+    these decoders every image of a batch ends in the same call; images that leave the batch between calls: the next
+    test."""
     if decoder == "random":
         decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
     else:
@@ -249,6 +255,31 @@ def test_the_host_loop_is_the_torch_search(decoder, options, words):
         else:
             want = beam_search(decoder, annotations, beam_size=beam_size, **options, **SPECIAL)
     got = host_search(decoder, annotations, beam_size, words, **options)
+    for i, ids in enumerate(got.ids):
+        n = int(want.lengths[i])
+        assert ids == want.tokens[i, :n].tolist(), i
+        assert got.scores[i] == pytest.approx(float(want.scores[i]), abs=1e-5)
+        assert np.abs(got.alphas[i] - want.alphas[i, :n].numpy()).max() <= 1e-6
+
+
+@pytest.mark.parametrize("beam_size, end_bias, options", [(1, 1.0, {}), (4, 1.2, {"length_penalty": 0.7})])
+@pytest.mark.parametrize("words", [WORDS, 3])
+def test_images_leave_the_host_loop_s_batch_between_calls_as_the_torch_search_s(beam_size, end_bias, options, words):
+    """The random decoder made likelier to write <end> (its bias raised), so that its 7 images' captions end at
+    different words: the host loop's batch shrinks between calls as images finish, and it writes the torch search's
+    words, scores and attention all the same."""
+    decoder, annotations = random_decoder(), torch.randn(7, 9, 16)
+    with torch.no_grad():
+        decoder.L_o.bias[END] += end_bias
+    with torch.inference_mode():
+        if beam_size == 1:
+            want = greedy_search(decoder, annotations, max_len=12, **options, **SPECIAL)
+        else:
+            want = beam_search(decoder, annotations, beam_size=beam_size, max_len=12, **options, **SPECIAL)
+    runners = []
+    got = host_search(decoder, annotations, beam_size, words, runners=runners, max_len=12, **options)
+    batches = runners[0].batches
+    assert batches[0] == 7 and 0 < batches[-1] < 7, batches  # a later call had some of the images, not all
     for i, ids in enumerate(got.ids):
         n = int(want.lengths[i])
         assert ids == want.tokens[i, :n].tolist(), i
