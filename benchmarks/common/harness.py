@@ -1,7 +1,8 @@
 """How a benchmark script runs and measures, written once for all of them:
 
 - `Script`: the options every script takes (--out; --smoke and --budget where it has them), its own beside them, and
-  the line that says where it ran; its tables, each finished the same way at its end;
+  the line that says where it ran; its tables, each finished the same way at its end; `measure_alone`: one form
+  measured by the script again, in a process of its own;
 - timing: `timed` (the median of calls), `take_turns` (forms measured call by call in turn, so that a machine's drift
   falls on all of them), `latency` (p50, p95 and images/s of one-at-a-time calls);
 - `in_own_process`: a program run in a process of its own, with its output, seconds and peak resident memory, stopped
@@ -58,9 +59,10 @@ class Script:
         rows.measure({"form": "eager"}, lambda: {"ms": ...})
         script.finish()                              # every table whole: printed, and to <out>/name.md
 
-    The description in --help is the docstring's first paragraph; `smoke`, where given, is what --smoke does."""
+    The description in --help is the docstring's first paragraph; `smoke`, where given, is what --smoke does; with
+    `alone`, the script can measure a form in a process of its own (`measure_alone`)."""
 
-    def __init__(self, file: str, doc: str | None, smoke: str | None = None, budget: bool = False, alone=False):
+    def __init__(self, file: str, doc: str | None, smoke: str | None = None, budget: bool = False, alone: bool = False):
         self.file, self.name = Path(file).resolve(), Path(file).name
         self.parser = argparse.ArgumentParser(prog=self.name, description=(doc or "").split("\n\n")[0])
         self.parser.add_argument("--out", help="a folder for the tables: <table>.jsonl, each row as it is measured, "
